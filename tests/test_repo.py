@@ -1,0 +1,45 @@
+"""Repository hygiene: lint, the README's Quickstart contract, and import-time behaviour."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _quickstart_commands():
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
+    return [b.strip() for b in re.findall(r"```\n(.*?)```", section, flags=re.S)]
+
+
+def test_ruff_lint_clean():
+    proc = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", ROOT], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, "ruff found lint errors; fix them:\n" + proc.stdout + proc.stderr
+
+
+def test_quickstart_has_exactly_two_commands_and_ci_runs_the_test_one():
+    commands = _quickstart_commands()
+    assert len(commands) == 2, f"Quickstart must hold exactly two commands, found {commands}"
+    train_cmd, test_cmd = commands
+    assert "python -m jaxgrpo.train --config" in train_cmd
+    assert "pytest" in test_cmd and test_cmd.startswith("pip install -e")
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
+    # .ci/run takes the first README line that starts with "pip install -e": the test command.
+    assert "grep -m1 '^pip install -e' README.md" in ci
+
+
+def test_import_has_no_side_effects():
+    code = (
+        "import sys, jaxgrpo, jaxgrpo.types; "
+        "print('jax.config' in sys.modules and "
+        "sys.modules['jax'].config.jax_numpy_rank_promotion)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr
+    # jaxgrpo.types imports jax but must leave its global configuration untouched.
+    assert proc.stdout.strip() in ("False", "allow"), proc.stdout
