@@ -1,0 +1,136 @@
+"""Shared defaults: every field of a jaxgrpo run, with a one-line comment each.
+
+Other configs import this module, call ``get_config()`` and override fields. The schema (which
+keys exist and their types) is this file: ``jaxgrpo.config.validate`` rejects anything else.
+"""
+
+from ml_collections import ConfigDict
+
+
+def _model() -> ConfigDict:
+    c = ConfigDict()
+    c.source = "smollm2"  # HF dir, hub id, .gguf path, "smollm2" (embedded GGUF) or "tiny" (random)
+    c.dtype = "float32"  # compute dtype: "float32" or "bfloat16"
+    c.param_dtype = "float32"  # parameter storage dtype: "float32" or "bfloat16"
+    c.remat = False  # rematerialise each block in the backward pass (saves memory, costs FLOPs)
+    c.lora_rank = 16  # LoRA rank R; 0 = full fine-tuning of every parameter
+    c.lora_alpha = 32.0  # LoRA scale numerator: adapter output is scaled by alpha / rank
+    c.lora_targets = ("q", "k", "v", "o", "gate", "up", "down")  # projections that get adapters
+    return c
+
+
+def _task() -> ConfigDict:
+    c = ConfigDict()
+    c.name = "format_copy"  # task name for jaxgrpo.data.get_task
+    c.prompt_template = ""  # prompt template name or text; "" = the task's default
+    c.system_prompt = ""  # system message; "" = the task's default
+    c.num_eval = 64  # held-out prompts scored (strict accuracy) before and after training
+    c.kwargs = ConfigDict()  # extra keyword arguments for get_task (set keys in a config file)
+    return c
+
+
+def _rewards() -> ConfigDict:
+    c = ConfigDict()
+    # (name, weight) or (name, curriculum dict with "kind" in constant/linear/step/cosine, ...).
+    c.functions = (("format_copy", 1.0),)
+    c.reward_on_error = "none"  # a reward fn that raises: "none" scores None, "raise" stops the run
+    return c
+
+
+def _sampling() -> ConfigDict:
+    c = ConfigDict()
+    c.max_new_tokens = 64  # completion length T (a completion that reaches it is "truncated")
+    c.temperature = 1.0  # sampling temperature at step 0 (0 = greedy)
+    c.temperature_schedule = ConfigDict()
+    c.temperature_schedule.kind = "constant"  # "constant", "linear", "cosine" or "exponential"
+    c.temperature_schedule.end = 1.0  # temperature reached at the end of the schedule
+    c.temperature_schedule.steps = 0  # schedule length in training steps; 0 = run length (steps)
+    c.top_p = 1.0  # nucleus sampling mass; 1.0 = off
+    c.top_k = 0  # keep the k most likely tokens; 0 = off (static: changing it recompiles)
+    c.min_p = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
+    c.repetition_guard = (0, 0)  # (n, k): stop a row whose last n-gram occurred k times; n=0 = off
+    return c
+
+
+def _rl() -> ConfigDict:
+    c = ConfigDict()
+    c.prompts_per_step = 4  # B: prompts drawn per training step
+    c.group_size = 8  # G: completions sampled per prompt (the batch is B*G sequences)
+    c.loss_type = "grpo"  # "grpo", "dapo", "dr_grpo" or "gr_reinforce" (see rl/losses.py)
+    c.eps_low = 0.2  # clip ratio below at 1 - eps_low
+    c.eps_high = 0.2  # clip ratio above at 1 + eps_high (> eps_low = DAPO clip-higher)
+    c.beta = 0.04  # KL(pi || pi_ref) coefficient; 0 skips the reference pass
+    c.kl_estimator = "k3"  # per-token KL estimator: "k1", "k2" or "k3"
+    c.kl_in_reward = False  # subtract beta * KL from the reward instead of adding it to the loss
+    c.adv_scale = "group"  # advantage scaling: "group" std (GRPO), "batch" std, "none" (Dr. GRPO)
+    c.ppo_epochs = 1  # optimisation passes over each sampled batch
+    c.num_minibatches = 1  # optimizer updates per epoch (the batch is split into this many)
+    c.grad_accum = 1  # micro-batches accumulated per optimizer update (exact global normaliser)
+    c.mask_truncated = False  # exclude completions that hit max_new_tokens from the loss
+    c.dynamic_sampling = False  # drop zero-variance groups and draw more prompts to refill (DAPO)
+    c.dynamic_sampling_max_draws = 3  # cap on sampling rounds per step for dynamic sampling
+    c.ref_reset_every = 0  # every N steps the reference becomes the current policy; 0 = never
+    c.ref_reset_optimizer = False  # also reset the optimizer state at a reference reset
+    c.entropy_coef = 0.0  # entropy bonus coefficient (0 = off)
+    c.tis_cap = 0.0  # truncated importance-sampling cap on sampler/trainer ratio; 0 = off
+    return c
+
+
+def _optim() -> ConfigDict:
+    c = ConfigDict()
+    c.lr = 1e-5  # peak learning rate (AdamW)
+    c.warmup_steps = 0  # linear warmup from 0 to lr over this many optimizer updates
+    c.schedule = "cosine"  # after warmup: "cosine" decay to 0 or "constant"
+    c.weight_decay = 0.0  # AdamW decoupled weight decay
+    c.b1 = 0.9  # Adam first-moment decay
+    c.b2 = 0.999  # Adam second-moment decay
+    c.max_grad_norm = 1.0  # global-norm gradient clipping; 0 = off
+    return c
+
+
+def _mesh() -> ConfigDict:
+    c = ConfigDict()
+    c.data = -1  # data-parallel axis size; -1 = fill with the remaining devices
+    c.fsdp = 1  # fully-sharded data-parallel axis size (parameters sharded, batch split)
+    c.tensor = 1  # tensor-parallel axis size (heads / mlp split)
+    c.coordinator_address = ""  # jax.distributed coordinator "host:port"; "" = env / auto (TPU)
+    c.num_processes = 0  # number of processes (hosts); 0 = env / auto
+    c.process_id = -1  # this process's index; -1 = env / auto
+    return c
+
+
+def _checkpoint() -> ConfigDict:
+    c = ConfigDict()
+    c.every = 50  # save every N steps (and always at exit); 0 = only at exit
+    c.keep = 3  # keep the last K checkpoints
+    return c
+
+
+def _logging() -> ConfigDict:
+    c = ConfigDict()
+    c.every = 1  # write metrics every N steps
+    c.samples_every = 10  # write sample completions every N steps; 0 = never
+    c.tensorboard = True  # also write TensorBoard event files (tensorboardX)
+    c.wandb = False  # also log to Weights & Biases (when installed)
+    c.wandb_project = "jaxgrpo"  # W&B project name
+    c.progress = True  # show a progress bar
+    return c
+
+
+def get_config() -> ConfigDict:
+    """Returns the full default config (every field present)."""
+    c = ConfigDict()
+    c.run_dir = "runs/default"  # outputs: metrics, samples, checkpoints, TensorBoard
+    c.seed = 0  # seeds parameters (random models / LoRA), sampling and data order
+    c.steps = 100  # training steps (each: sample, score, update)
+    c.resume = True  # continue from run_dir's latest checkpoint if any; False = fail if one exists
+    c.model = _model()
+    c.task = _task()
+    c.rewards = _rewards()
+    c.sampling = _sampling()
+    c.rl = _rl()
+    c.optim = _optim()
+    c.mesh = _mesh()
+    c.checkpoint = _checkpoint()
+    c.logging = _logging()
+    return c
