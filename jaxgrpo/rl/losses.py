@@ -1,0 +1,378 @@
+"""GRPO-family policy losses: surrogates, aggregations, presets, entropy terms and metrics.
+
+A loss is a **surrogate** (per-token objective) followed by an **aggregation** (how per-token
+values become one scalar). With ``r`` the importance ratio and ``A`` the token's sequence
+advantage:
+
+Surrogates:
+  * ``"clip"`` (PPO/GRPO): ``-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)``; ``eps_high >
+    eps_low`` is DAPO's clip-higher. Options: ``ratio_cap`` (TRL's ``delta``, INTELLECT-2)
+    replaces the unclipped ``r`` by ``min(r, ratio_cap)``; ``dual_clip = c > 1`` bounds the
+    loss of ``A < 0`` tokens by ``-c*A`` (Ye et al., 2020).
+  * ``"reinforce"`` (GR-REINFORCE): ``-logp*A``.
+
+Ratio level: ``"token"`` (``r = exp(logp - old_logp)`` per token) or ``"sequence"`` (GSPO:
+``r = exp(mean_t(logp - old_logp))`` over the sequence's valid tokens, shared by its tokens).
+
+Aggregations (``x`` per-token values, ``m`` the mask, ``n_i = sum_t m_it``):
+  * ``"seq_mean_token_mean"``: ``sum_i (sum_t x_it m_it / max(n_i, 1)) / num_sequences``;
+  * ``"token_mean"``: ``sum_it x_it m_it / num_tokens``;
+  * ``"constant"``: ``sum_it x_it m_it / (num_sequences * max_completion_length)``.
+
+Presets (``loss_type``): ``grpo`` = clip + seq_mean_token_mean (DeepSeekMath); ``dapo`` =
+clip + token_mean; ``dr_grpo`` = clip + constant (Dr. GRPO); ``gr_reinforce`` = reinforce +
+seq_mean_token_mean; ``gspo`` = clip at sequence level + seq_mean_token_mean.
+
+Global normaliser: ``num_tokens`` and ``num_sequences`` default to the counts of the arrays
+passed in. When one optimizer step is split into micro-batches or sharded over devices/hosts,
+pass the counts of the **whole step** (``loss_normalizers(full_mask)``) and **sum** the
+micro-batch losses and gradients: every aggregation above is then a sum of per-sequence
+terms over one global constant, so the accumulated gradient equals the full-batch gradient
+for every loss type. (Sequence means use each sequence's own token count, which is local
+because a sequence is never split.) The same holds for ``entropy_threshold``: pass the
+whole-step value from ``top_entropy_threshold`` instead of ``top_entropy_frac``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxgrpo.rl.kl import kl_estimate, warn_if_k1_in_loss
+from jaxgrpo.types import Array
+
+SURROGATES = ("clip", "reinforce")
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant")
+RATIO_LEVELS = ("token", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossSpec:
+    """The static structure of a policy loss.
+
+    Attributes:
+      surrogate: ``"clip"`` or ``"reinforce"``.
+      aggregation: ``"seq_mean_token_mean"``, ``"token_mean"`` or ``"constant"``.
+      ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
+    """
+
+    surrogate: str
+    aggregation: str
+    ratio_level: str = "token"
+
+
+LOSS_PRESETS: dict[str, LossSpec] = {
+    "grpo": LossSpec("clip", "seq_mean_token_mean"),
+    "dapo": LossSpec("clip", "token_mean"),
+    "dr_grpo": LossSpec("clip", "constant"),
+    "gr_reinforce": LossSpec("reinforce", "seq_mean_token_mean"),
+    "gspo": LossSpec("clip", "seq_mean_token_mean", "sequence"),
+}
+
+
+def resolve_spec(loss_type, surrogate=None, aggregation=None, ratio_level=None) -> LossSpec:
+    """The preset ``loss_type`` with any explicitly given part overriding it."""
+    if loss_type not in LOSS_PRESETS:
+        raise ValueError(f"loss_type must be one of {sorted(LOSS_PRESETS)}, got {loss_type!r}")
+    base = LOSS_PRESETS[loss_type]
+    spec = LossSpec(
+        surrogate or base.surrogate,
+        aggregation or base.aggregation,
+        ratio_level or base.ratio_level,
+    )
+    for value, allowed, name in (
+        (spec.surrogate, SURROGATES, "surrogate"),
+        (spec.aggregation, AGGREGATIONS, "aggregation"),
+        (spec.ratio_level, RATIO_LEVELS, "ratio_level"),
+    ):
+        if value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+    return spec
+
+
+def loss_normalizers(mask: Array) -> dict[str, Array]:
+    """Whole-step normalisers ``{"num_tokens", "num_sequences"}`` from the full ``[N, T]`` mask."""
+    valid_NT = jnp.asarray(mask).astype(bool)
+    return {
+        "num_tokens": jnp.sum(valid_NT, dtype=jnp.int32),
+        "num_sequences": jnp.asarray(valid_NT.shape[0], jnp.int32),
+    }
+
+
+def aggregate(
+    x_NT: Array,
+    mask_NT: Array,
+    aggregation: str,
+    *,
+    num_tokens=None,
+    num_sequences=None,
+    max_completion_length=None,
+) -> Array:
+    """Reduce per-token values to a scalar (formulas in the module docstring).
+
+    Args:
+      x_NT: ``[N, T]`` per-token values (masked entries are ignored, even if non-finite).
+      mask_NT: ``[N, T]`` valid tokens.
+      aggregation: one of ``AGGREGATIONS`` (static).
+      num_tokens: global valid-token count; defaults to ``sum(mask_NT)``.
+      num_sequences: global sequence count; defaults to ``N``.
+      max_completion_length: the constant normaliser's length; defaults to ``T``.
+
+    Returns:
+      A scalar of ``x_NT``'s dtype.
+    """
+    valid_NT = mask_NT.astype(bool)
+    dtype = x_NT.dtype
+    xm_NT = jnp.where(valid_NT, x_NT, jnp.zeros_like(x_NT))
+    n_seq = jnp.asarray(x_NT.shape[0] if num_sequences is None else num_sequences, dtype)
+    if aggregation == "seq_mean_token_mean":
+        len_N = jnp.maximum(jnp.sum(valid_NT, axis=-1).astype(dtype), 1.0)
+        return jnp.sum(jnp.sum(xm_NT, axis=-1) / len_N) / n_seq
+    if aggregation == "token_mean":
+        n_tok = jnp.sum(valid_NT) if num_tokens is None else num_tokens
+        return jnp.sum(xm_NT) / jnp.maximum(jnp.asarray(n_tok, dtype), 1.0)
+    if aggregation == "constant":
+        length = x_NT.shape[1] if max_completion_length is None else max_completion_length
+        return jnp.sum(xm_NT) / (n_seq * jnp.asarray(length, dtype))
+    raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def token_entropy(logits: Array, temperature=1.0) -> Array:
+    """Entropy of ``softmax(logits / temperature)`` per position, in float32 or wider.
+
+    Args:
+      logits: ``[N, T, V]`` raw logits.
+      temperature: scalar or ``[N, T]`` sampling temperature (may be traced).
+
+    Returns:
+      ``[N, T]`` entropies in nats.
+    """
+    dtype = jnp.promote_types(logits.dtype, jnp.float32)
+    temp = jnp.asarray(temperature, dtype)
+    if temp.ndim:
+        temp = jnp.broadcast_to(temp, logits.shape[:-1])[..., None]
+    logq_NTV = jax.nn.log_softmax(logits.astype(dtype) / temp, axis=-1)
+    return -jnp.sum(jnp.exp(logq_NTV) * logq_NTV, axis=-1)
+
+
+def top_entropy_threshold(entropy: Array, mask: Array, frac) -> Array:
+    """Entropy at or above which a token is in the top ``frac`` of valid tokens.
+
+    The ``(1 - frac)`` quantile of the valid entries, linearly interpolated (as
+    ``torch.quantile``); ``+inf`` when there is no valid token. ``frac`` may be traced.
+
+    Args:
+      entropy: ``[N, T]`` per-token entropies.
+      mask: ``[N, T]`` valid tokens.
+      frac: fraction of tokens to keep, in ``[0, 1]``.
+
+    Returns:
+      A scalar threshold (no gradient).
+    """
+    valid_NT = mask.astype(bool)
+    ent_NT = jax.lax.stop_gradient(entropy)
+    sorted_X = jnp.sort(jnp.where(valid_NT, ent_NT, jnp.inf).reshape(-1))
+    last = jnp.maximum(jnp.sum(valid_NT) - 1, 0)
+    pos = (1.0 - jnp.asarray(frac, ent_NT.dtype)) * last.astype(ent_NT.dtype)
+    lo = jnp.floor(pos).astype(jnp.int32)
+    hi = jnp.minimum(lo + 1, last)
+    frac_pos = pos - lo.astype(ent_NT.dtype)
+    thr = sorted_X[lo] + frac_pos * (sorted_X[hi] - sorted_X[lo])
+    return jnp.where(jnp.any(valid_NT), thr, jnp.inf)
+
+
+def truncated_is_weights(old_logp: Array, sampler_logp: Array, cap) -> Array:
+    """Truncated importance weights ``min(exp(old_logp - sampler_logp), cap)``, no gradient.
+
+    Corrects for the sampler's and trainer's log-probs differing for the same weights
+    (numerics, precision); pass the result as ``policy_loss(..., is_weights=...)``.
+
+    Args:
+      old_logp: ``[N, T]`` trainer log-probs of the behaviour policy.
+      sampler_logp: ``[N, T]`` log-probs the sampler reported for the same tokens.
+      cap: upper bound on the weight (may be traced).
+
+    Returns:
+      ``[N, T]`` weights.
+    """
+    return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - sampler_logp), cap))
+
+
+def _log_ratio_NT(logp_NT, old_NT, valid_NT, ratio_level):
+    log_ratio_NT = logp_NT - old_NT
+    if ratio_level == "token":
+        return log_ratio_NT
+    len_N = jnp.maximum(jnp.sum(valid_NT, axis=-1).astype(logp_NT.dtype), 1.0)
+    seq_N = jnp.sum(log_ratio_NT, axis=-1) / len_N
+    return jnp.broadcast_to(seq_N[:, None], log_ratio_NT.shape)
+
+
+def _clip_surrogate(ratio_NT, adv_N1, eps_low, eps_high, dual_clip, ratio_cap):
+    """Per-token clipped loss and the low/high clip indicators."""
+    clipped_NT = jnp.clip(ratio_NT, 1.0 - eps_low, 1.0 + eps_high)
+    unclipped_NT = ratio_NT if ratio_cap is None else jnp.minimum(ratio_NT, ratio_cap)
+    loss_NT = -jnp.minimum(unclipped_NT * adv_N1, clipped_NT * adv_N1)
+    if dual_clip is not None:
+        loss_NT = jnp.where(adv_N1 < 0, jnp.minimum(loss_NT, -dual_clip * adv_N1), loss_NT)
+    # PPO clips r from below only where A < 0 and from above only where A > 0.
+    low_NT = (ratio_NT < 1.0 - eps_low) & (adv_N1 < 0)
+    high_NT = (ratio_NT > 1.0 + eps_high) & (adv_N1 > 0)
+    return loss_NT, low_NT, high_NT
+
+
+def _clean(x, *, valid_NT, dtype):
+    """Zero the entries outside the mask so no garbage (NaN, inf) reaches values or grads."""
+    return jnp.where(valid_NT, jnp.asarray(x).astype(dtype), jnp.zeros((), dtype))
+
+
+def _policy_term_NT(spec, logp_NT, old_NT, adv_N1, valid_NT, clip_args):
+    """Per-token policy-gradient loss and the ratio/clip metrics."""
+    ratio_NT = jnp.exp(_log_ratio_NT(logp_NT, old_NT, valid_NT, spec.ratio_level))
+    if spec.surrogate == "clip":
+        pg_NT, low_NT, high_NT = _clip_surrogate(ratio_NT, adv_N1, *clip_args)
+    else:
+        pg_NT = -logp_NT * adv_N1
+        low_NT = high_NT = jnp.zeros(valid_NT.shape, bool)
+    metrics = _ratio_metrics(jax.lax.stop_gradient(ratio_NT), valid_NT, low_NT, high_NT)
+    return pg_NT, metrics
+
+
+def _masked_mean(x_NT, valid_NT):
+    total = jnp.sum(jnp.where(valid_NT, x_NT, jnp.zeros_like(x_NT)))
+    return total / jnp.maximum(jnp.sum(valid_NT).astype(x_NT.dtype), 1.0)
+
+
+def _ratio_metrics(ratio_NT, valid_NT, low_NT, high_NT):
+    dtype = ratio_NT.dtype
+    return {
+        "clip_frac_low": _masked_mean(low_NT.astype(dtype), valid_NT),
+        "clip_frac_high": _masked_mean(high_NT.astype(dtype), valid_NT),
+        "clip_frac": _masked_mean((low_NT | high_NT).astype(dtype), valid_NT),
+        "ratio_mean": _masked_mean(ratio_NT, valid_NT),
+        "ratio_min": jnp.min(jnp.where(valid_NT, ratio_NT, jnp.inf)),
+        "ratio_max": jnp.max(jnp.where(valid_NT, ratio_NT, -jnp.inf)),
+        "num_tokens": jnp.sum(valid_NT).astype(dtype),
+    }
+
+
+def policy_loss(
+    logp,
+    old_logp,
+    ref_logp,
+    advantages,
+    mask,
+    *,
+    loss_type: str = "grpo",
+    eps_low=0.2,
+    eps_high=0.2,
+    beta=0.0,
+    kl_estimator: str = "k3",
+    max_completion_length=None,
+    surrogate: str | None = None,
+    aggregation: str | None = None,
+    ratio_level: str | None = None,
+    dual_clip=None,
+    ratio_cap=None,
+    entropy_coef=0.0,
+    logits=None,
+    temperature=1.0,
+    entropy=None,
+    top_entropy_frac=None,
+    entropy_threshold=None,
+    is_weights=None,
+    num_tokens=None,
+    num_sequences=None,
+):
+    """GRPO-family loss ``pg + beta * kl - entropy_coef * entropy``, each part aggregated.
+
+    Strings are static; every numeric coefficient may be a traced array. ``None`` options are
+    off (static). Formulas, presets and the global-normaliser rule are in the module docstring.
+
+    Args:
+      logp: ``[N, T]`` log pi_theta of the sampled tokens (differentiated).
+      old_logp: ``[N, T]`` behaviour-policy log-probs, or None for on-policy
+        (``stop_gradient(logp)``, so ``r = 1`` with the policy gradient).
+      ref_logp: ``[N, T]`` reference log-probs, or None to skip the KL term.
+      advantages: ``[N]`` per-sequence advantages.
+      mask: ``[N, T]`` valid completion tokens (bool or 0/1); other entries may hold garbage.
+      loss_type: preset name, a key of ``LOSS_PRESETS``.
+      eps_low: lower clip range, ``r >= 1 - eps_low`` where ``A < 0``.
+      eps_high: upper clip range, ``r <= 1 + eps_high`` where ``A > 0``.
+      beta: weight of the per-token KL term.
+      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` with ``d = ref_logp - logp`` (see ``kl``).
+      max_completion_length: the ``"constant"`` normaliser's length; defaults to ``T``.
+      surrogate: overrides the preset's surrogate (``"clip"``/``"reinforce"``).
+      aggregation: overrides the preset's aggregation.
+      ratio_level: overrides the preset's ratio level (``"token"``/``"sequence"``).
+      dual_clip: ``c > 1``: the loss of ``A < 0`` tokens is at most ``-c*A``.
+      ratio_cap: upper cap on the unclipped ratio, ``min(r, ratio_cap)``.
+      entropy_coef: entropy bonus weight (needs ``logits`` or ``entropy``).
+      logits: ``[N, T, V]`` logits for the entropy, scaled by ``temperature``.
+      temperature: scalar or ``[N, T]`` sampling temperature for ``logits``.
+      entropy: ``[N, T]`` per-token entropy, used instead of ``logits`` when given.
+      top_entropy_frac: keep the policy-gradient term only on this fraction of the valid
+        tokens with the highest entropy (KL and entropy terms stay on all tokens).
+      entropy_threshold: explicit threshold for that restriction (whole-step value from
+        ``top_entropy_threshold``); takes precedence over ``top_entropy_frac``.
+      is_weights: ``[N, T]`` importance weights multiplied into the policy term, without
+        gradient (e.g. ``truncated_is_weights`` for sampler/trainer mismatch).
+      num_tokens: whole-step valid-token count (``"token_mean"``); default: this batch's.
+      num_sequences: whole-step sequence count; default: ``N``.
+
+    Returns:
+      ``(loss, metrics)``: a scalar and a dict of scalars: ``loss``, ``policy_loss``,
+      ``kl_loss`` (``beta`` times the aggregated KL), ``entropy_loss``, ``kl_mean``,
+      ``clip_frac_low``, ``clip_frac_high``, ``clip_frac``, ``ratio_mean``, ``ratio_min``,
+      ``ratio_max``, ``num_tokens`` and, with an entropy, ``entropy_mean`` and
+      ``frac_tokens_pg``. Means are over this batch's valid tokens.
+    """
+    spec = resolve_spec(loss_type, surrogate, aggregation, ratio_level)
+    dtype = jnp.promote_types(jnp.asarray(logp).dtype, jnp.float32)
+    valid_NT = jnp.asarray(mask).astype(bool)
+    clean = functools.partial(_clean, valid_NT=valid_NT, dtype=dtype)
+    logp_NT = clean(logp)
+    old_NT = jax.lax.stop_gradient(logp_NT) if old_logp is None else clean(old_logp)
+    adv_N1 = jnp.asarray(advantages).astype(dtype)[:, None]
+    agg = functools.partial(
+        aggregate,
+        mask_NT=valid_NT,
+        aggregation=spec.aggregation,
+        num_tokens=num_tokens,
+        num_sequences=num_sequences,
+        max_completion_length=max_completion_length,
+    )
+    clip_args = (eps_low, eps_high, dual_clip, ratio_cap)
+    pg_NT, metrics = _policy_term_NT(spec, logp_NT, old_NT, adv_N1, valid_NT, clip_args)
+    if is_weights is not None:
+        pg_NT = pg_NT * jax.lax.stop_gradient(clean(is_weights))
+    ent_NT = None
+    if entropy is not None or logits is not None:
+        ent_NT = clean(entropy if entropy is not None else token_entropy(logits, temperature))
+        metrics["entropy_mean"] = _masked_mean(jax.lax.stop_gradient(ent_NT), valid_NT)
+    if entropy_threshold is None and top_entropy_frac is not None:
+        if ent_NT is None:
+            raise ValueError("top_entropy_frac needs `logits` or `entropy`")
+        entropy_threshold = top_entropy_threshold(ent_NT, valid_NT, top_entropy_frac)
+    if entropy_threshold is not None:
+        keep_NT = jax.lax.stop_gradient(ent_NT) >= entropy_threshold
+        pg_NT = jnp.where(keep_NT, pg_NT, jnp.zeros_like(pg_NT))
+        metrics["frac_tokens_pg"] = _masked_mean(keep_NT.astype(dtype), valid_NT)
+    metrics["policy_loss"] = agg(pg_NT)
+    metrics["kl_loss"] = metrics["kl_mean"] = jnp.zeros((), dtype)
+    if ref_logp is not None:
+        warn_if_k1_in_loss(kl_estimator, beta)
+        kl_NT = kl_estimate(logp_NT, clean(ref_logp), kl_estimator)
+        metrics["kl_loss"] = beta * agg(kl_NT)
+        metrics["kl_mean"] = _masked_mean(jax.lax.stop_gradient(kl_NT), valid_NT)
+    metrics["entropy_loss"] = jnp.zeros((), dtype)
+    if ent_NT is not None:
+        metrics["entropy_loss"] = -entropy_coef * agg(ent_NT)
+    elif not (isinstance(entropy_coef, int | float) and entropy_coef == 0):
+        raise ValueError("entropy_coef needs `logits` or `entropy`")
+    loss = metrics["policy_loss"] + metrics["kl_loss"] + metrics["entropy_loss"]
+    metrics["loss"] = loss
+    metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, dtype)) for k, v in metrics.items()}
+    return loss, metrics
