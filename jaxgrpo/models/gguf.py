@@ -1,0 +1,250 @@
+"""Reading llama.cpp GGUF checkpoints: config, lazily dequantized tensors, tokenizer.
+
+A GGUF file carries everything a Hugging Face directory does, under llama.cpp's names: the
+hyperparameters as ``{arch}.*`` metadata, the weights as (often quantized) tensors named
+``blk.N.attn_q.weight`` and so on, and the tokenizer as ``tokenizer.ggml.*`` arrays plus a chat
+template. This module translates all three to the Hugging Face vocabulary, so the rest of the
+package has one import path (``weights.load_hf_tensors``) and one tokenizer type:
+
+    ckpt = GGUFCheckpoint(path)
+    cfg = ModelConfig.from_hf_config(ckpt.hf_config())
+    load_hf_tensors(model, ckpt.get_tensor)   # HF names, torch [out, in] layout, float32
+    hf_tok = ckpt.hf_tokenizer()              # transformers.PreTrainedTokenizerFast
+
+The tensors stay memory-mapped: ``get_tensor`` dequantizes one tensor when asked, so a large model
+is never materialised twice on the host.
+
+Two llama.cpp conventions are undone here. (1) For the Llama architecture, ``convert_hf_to_gguf``
+permutes the rows of q and k from Hugging Face's rotate-half RoPE layout into GPT-J's interleaved
+layout; ``_unpermute_rows`` inverts it. Qwen2/Qwen3 files use the NEOX (rotate-half) layout and are
+stored unpermuted. (2) Llama 3.1-style RoPE scaling is stored as a ``rope_freqs`` tensor of
+per-frequency divisors rather than as parameters; ``_llama3_scaling`` recovers the parameters and
+checks they reproduce the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Callable
+
+import numpy as np
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+
+_HF_ARCH = {
+    "llama": ("LlamaForCausalLM", "llama"),
+    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+}
+
+# GGUF tensor name -> Hugging Face name. `{i}` is the layer index.
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
+# Tensors that carry configuration, not parameters.
+_CONFIG_TENSORS = ("rope_freqs.weight",)
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """Hugging Face name of a GGUF tensor, or None for a tensor that is not a parameter."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    match = _BLOCK_RE.match(name)
+    if match and match.group(2) in _BLOCK_NAMES:
+        return f"model.layers.{match.group(1)}.{_BLOCK_NAMES[match.group(2)]}"
+    return None
+
+
+def _unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Invert llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves).
+
+    ``convert_hf_to_gguf`` maps each head's rows ``[h0 | h1]`` (two halves of H/2) to the
+    interleaving ``h0[0], h1[0], h0[1], h1[1], ...``, i.e. ``reshape(N, 2, H/2).swapaxes(1, 2)``.
+    The inverse is ``reshape(N, H/2, 2).swapaxes(1, 2)``, for weights [N*H, D] and biases [N*H].
+
+    Args:
+      w: q or k projection rows as stored in the GGUF, leading dim ``n_heads * head_dim``.
+      n_heads: number of heads these rows belong to (query heads for q, kv heads for k).
+
+    Returns:
+      The rows in Hugging Face order, same shape as ``w``.
+    """
+    rest = w.shape[1:]
+    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
+
+
+def _llama3_factors(head_dim, theta, factor, low, high, original_ctx) -> np.ndarray:
+    """Per-frequency RoPE divisors of Llama 3.1 scaling, as llama.cpp's converter writes them."""
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (original_ctx / wavelen - low) / (high - low)
+    mid = 1.0 / ((1 - smooth) / factor + smooth)
+    low_freq = np.where(wavelen > original_ctx / low, factor, mid)
+    return np.where(wavelen < original_ctx / high, 1.0, low_freq)
+
+
+def _llama3_scaling(rope_freqs: np.ndarray, head_dim: int, theta: float, ctx: int | None) -> dict:
+    """Recover Llama 3.1 rope_scaling parameters from a GGUF ``rope_freqs`` tensor.
+
+    The file stores only the resulting divisors. Every released Llama 3.x uses low/high frequency
+    factors 1 and 4 and an original context of 8192; we take ``factor`` as the largest divisor and
+    accept the parameters only if they reproduce the whole tensor (rtol 1e-4).
+    """
+    factor = float(np.max(rope_freqs))
+    for original_ctx in dict.fromkeys(c for c in (8192, ctx) if c):
+        expected = _llama3_factors(head_dim, theta, factor, 1.0, 4.0, original_ctx)
+        if expected.shape == rope_freqs.shape and np.allclose(expected, rope_freqs, rtol=1e-4):
+            return {
+                "rope_type": "llama3",
+                "factor": factor,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": original_ctx,
+            }
+    raise ValueError(
+        "GGUF rope_freqs tensor does not match Llama 3 rope scaling with low/high frequency "
+        f"factors 1/4 (factor {factor}); this RoPE scaling is not supported."
+    )
+
+
+class GGUFCheckpoint:
+    """A GGUF file seen through Hugging Face names; tensors dequantized on demand.
+
+    Attributes:
+      path: the file.
+      architecture: ``general.architecture`` (one of ``SUPPORTED_ARCHITECTURES``).
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        import gguf  # deferred: importing gguf costs ~1 s and only this path needs it
+
+        self.path = os.fspath(path)
+        if not os.path.isfile(self.path):
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        self._reader = gguf.GGUFReader(self.path)
+        self.architecture = self.meta("general.architecture")
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"Unsupported architecture {self.architecture!r} in {self.path}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
+            )
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._hf_to_gguf = {}
+        for name in self._tensors:
+            hf_name = gguf_to_hf_name(name)
+            if hf_name is not None:
+                self._hf_to_gguf[hf_name] = name
+            elif name not in _CONFIG_TENSORS:
+                raise ValueError(f"GGUF tensor {name!r} has no Hugging Face name ({self.path}).")
+
+    def meta(self, key: str, default=None):
+        """A metadata value (int, float, bool, str or list), or ``default`` when absent."""
+        field = self._reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _arch_meta(self, key: str, default=None):
+        return self.meta(f"{self.architecture}.{key}", default)
+
+    def tensor_names(self) -> list[str]:
+        """Hugging Face names of every parameter tensor in the file."""
+        return list(self._hf_to_gguf)
+
+    def _raw(self, gguf_name: str) -> np.ndarray:
+        from gguf.quants import dequantize
+
+        t = self._tensors[gguf_name]
+        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+
+    def get_tensor(self, hf_name: str) -> np.ndarray:
+        """Dequantized float32 tensor in torch layout (weights [out, in]).
+
+        Raises:
+          KeyError: naming the tensor and the file when it is absent.
+        """
+        if hf_name not in self._hf_to_gguf:
+            raise KeyError(f"Tensor {hf_name!r} not found in GGUF file {self.path}.")
+        w = self._raw(self._hf_to_gguf[hf_name])
+        if self.architecture == "llama":
+            if ".q_proj." in hf_name:
+                w = _unpermute_rows(w, self._arch_meta("attention.head_count"))
+            elif ".k_proj." in hf_name:
+                heads = self._arch_meta("attention.head_count")
+                w = _unpermute_rows(w, self._arch_meta("attention.head_count_kv", heads))
+        return w
+
+    def hf_config(self) -> dict:
+        """A Hugging Face ``config.json`` dict for this model (``ModelConfig.from_hf_config``)."""
+        hidden = self._arch_meta("embedding_length")
+        heads = self._arch_meta("attention.head_count")
+        head_dim = self._arch_meta("attention.key_length") or self._arch_meta(
+            "rope.dimension_count", hidden // heads
+        )
+        theta = float(self._arch_meta("rope.freq_base", 10000.0))
+        ctx = self._arch_meta("context_length", 2048)
+        vocab = self._arch_meta("vocab_size") or self._tensors["token_embd.weight"].shape[-1]
+        hf_arch, model_type = _HF_ARCH[self.architecture]
+        config = {
+            "architectures": [hf_arch],
+            "model_type": model_type,
+            "vocab_size": int(vocab),
+            "hidden_size": int(hidden),
+            "intermediate_size": int(self._arch_meta("feed_forward_length")),
+            "num_hidden_layers": int(self._arch_meta("block_count")),
+            "num_attention_heads": int(heads),
+            "num_key_value_heads": int(self._arch_meta("attention.head_count_kv", heads)),
+            "head_dim": int(head_dim),
+            "rms_norm_eps": float(self._arch_meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": theta,
+            "rope_scaling": self._rope_scaling(int(head_dim), theta),
+            "max_position_embeddings": int(ctx),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "bos_token_id": self.meta("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self.meta("tokenizer.ggml.eos_token_id"),
+        }
+        if self.architecture != "qwen2":  # Qwen2 always has q/k/v bias; the others say so.
+            config["attention_bias"] = "blk.0.attn_q.bias" in self._tensors
+        return config
+
+    def _rope_scaling(self, head_dim: int, theta: float) -> dict | None:
+        kind = self._arch_meta("rope.scaling.type")
+        if "rope_freqs.weight" in self._tensors:
+            ctx = self._arch_meta("rope.scaling.original_context_length")
+            return _llama3_scaling(self._raw("rope_freqs.weight"), head_dim, theta, ctx)
+        if kind in (None, "none"):
+            return None
+        raise ValueError(
+            f"Unsupported RoPE scaling {kind!r} in {self.path}; "
+            "supported: none, llama3 (rope_freqs tensor)."
+        )
+
+    def hf_tokenizer(self):
+        """The file's tokenizer as a ``transformers.PreTrainedTokenizerFast``."""
+        from jaxgrpo.models.tokenizer import hf_tokenizer_from_gguf_metadata
+
+        return hf_tokenizer_from_gguf_metadata(self.meta)
+
+
+def gguf_tensor_getter(path: str) -> Callable[[str], np.ndarray]:
+    """``get_tensor(hf_name)`` for a GGUF file (convenience for ``weights.load_hf_tensors``)."""
+    return GGUFCheckpoint(path).get_tensor
