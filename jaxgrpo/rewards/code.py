@@ -1,0 +1,285 @@
+"""``code_tests``: run generated Python against the task's asserts in a sandboxed process.
+
+Generated code is hostile input. Each completion runs in its own ``python -I -S`` process, under
+these layers (each one alone stops some attack; together they stop the test suite's cases):
+
+1. **Namespaces** (when ``unshare`` works here; checked once and cached): ``unshare --net --pid
+   --fork --kill-child`` (plus ``--map-root-user`` when not root) gives the child no network
+   interface but a down loopback, and a PID namespace whose processes all die with it.
+2. **Resource limits**, soft = hard so they cannot be raised again: ``RLIMIT_AS`` (memory),
+   ``RLIMIT_CPU``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``. The
+   trusted runner sets them on itself as its first act, before reading a byte of generated
+   code, instead of in a ``preexec_fn``: ``preexec_fn`` runs Python between fork and exec,
+   which can deadlock when the parent has threads, and the trainer always has (XLA).
+3. **Audit hook** (``sys.addaudithook``, irremovable): refuses process creation (fork, exec,
+   spawn, system, Popen), signals, sockets, ``ctypes``, heap walking (``gc.get_objects``) and
+   any write (open for writing, remove, rename, mkdir, chmod, ...) outside the working directory.
+   This is also the no-network layer where namespaces are unavailable. It is a Python-level
+   guard, not a proof against a determined in-process attacker; layers 1, 2 and 4 are OS-level.
+4. **Process hygiene**: a fresh temporary working directory removed afterwards, an environment
+   scrubbed to ``PATH``/``HOME``/``LANG``, stdin closed after the spec is read, stdout/stderr of
+   the code discarded, a wall-clock timeout after which the whole process group is SIGKILLed.
+
+Results travel as one line per test, tagged with a random nonce the generated code never sees
+in its inputs, so printing "passed" or calling ``exit(0)`` earns nothing.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+
+_CODE_BLOCK_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
+
+_RUNNER = r"""
+import json, os, resource, sys
+
+def _main():
+    spec = json.loads(sys.stdin.read())
+    os.close(0)
+    nonce = spec["nonce"]
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.dup2(null, 2)
+    for name, value in spec["limits"].items():
+        resource.setrlimit(getattr(resource, name), (value, value))
+    root = os.path.realpath(os.getcwd()) + os.sep
+    blocked = frozenset(spec["blocked_events"])
+    writes = {k: tuple(map(tuple, v)) for k, v in spec["write_events"].items()}
+    modules = frozenset(spec["blocked_modules"])
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    realpath, fspath = os.path.realpath, os.fspath
+
+    def inside(path):
+        if isinstance(path, int):
+            return False
+        path = fspath(path)
+        path = path.decode() if isinstance(path, bytes) else path
+        return (realpath(path) + os.sep).startswith(root)
+
+    def hook(event, args):
+        if event in blocked or event.startswith("ctypes."):
+            raise PermissionError("sandbox: " + event + " is not allowed")
+        if event == "import" and args[0].split(".")[0] in modules:
+            raise PermissionError("sandbox: import " + args[0] + " is not allowed")
+        if event == "open":
+            path, mode, flags = args
+            wants_write = (mode is not None and any(c in mode for c in "wax+")) or (
+                mode is None and flags & write_flags)
+            # os.open (mode None) may carry a dir_fd the event does not show: no writes via it.
+            if wants_write and (mode is None or not (isinstance(path, int) or inside(path))):
+                raise PermissionError("sandbox: writing outside the working directory")
+        elif event in writes:
+            path_at, dir_fd_at = writes[event]
+            if any(args[i] not in (None, -1) for i in dir_fd_at if i < len(args)) or not all(
+                inside(args[i]) for i in path_at
+            ):
+                raise PermissionError("sandbox: " + event + " outside the working directory")
+
+    code, setup, tests = spec["code"], spec["setup"], spec["tests"]
+    del spec
+    # Results are built from values bound here, so patching builtins or json cannot forge them.
+    write, lines = out.write, [nonce + " " + str(i) + " " for i in range(len(tests))]
+    sys.addaudithook(hook)
+    namespace = {"__name__": "__main__"}
+    try:
+        exec(compile(setup + "\n" + code, "<solution>", "exec"), namespace)
+        loaded = True
+    except BaseException:
+        loaded = False
+    for i, test in enumerate(tests):
+        ok = False
+        if loaded:
+            try:
+                exec(compile(test, "<test>", "exec"), namespace)
+                ok = True
+            except BaseException:
+                ok = False
+        write(lines[i] + ("1" if ok is True else "0") + "\n")
+    os._exit(0)
+
+_main()
+"""
+
+_BLOCKED_EVENTS = (
+    "os.fork", "os.forkpty", "os.exec", "os.spawn", "os.posix_spawn", "os.system",
+    "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill", "socket.__new__",
+    "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto", "gc.get_objects",
+    "gc.get_referrers", "gc.get_referents", "resource.setrlimit", "resource.prlimit",
+    "os.chdir", "os.chroot", "sys.setprofile", "sys.settrace", "mmap.__new__",
+)  # fmt: skip
+# event -> (indices of the written paths, indices of dir_fd arguments) in the audit args.
+_WRITE_EVENTS = {
+    "os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)),
+    "os.rename": ((0, 1), (2, 3)), "os.link": ((0, 1), (2, 3)), "os.symlink": ((1,), (2,)),
+    "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)), "os.utime": ((0,), (3,)),
+    "os.truncate": ((0,), ()), "os.mkfifo": ((0,), (2,)), "os.mknod": ((0,), (3,)),
+    "os.chflags": ((0,), ()), "os.setxattr": ((0,), ()), "os.removexattr": ((0,), ()),
+    "shutil.rmtree": ((0,), (1,)), "shutil.move": ((0, 1), ()), "shutil.copyfile": ((1,), ()),
+}  # fmt: skip
+_BLOCKED_MODULES = ("ctypes", "_ctypes", "_posixsubprocess", "cffi", "_multiprocessing")
+
+
+def extract_code(completion: str) -> str | None:
+    """The last fenced Python block (```python / ```py / ```py3), else the last fenced block of
+    any language; None when the completion has no fenced block."""
+    blocks = _CODE_BLOCK_RE.findall(completion)
+    python = [body for lang, body in blocks if lang.lower() in ("python", "py", "python3", "py3")]
+    if python:
+        return python[-1]
+    return blocks[-1][1] if blocks else None
+
+
+@functools.lru_cache(maxsize=1)
+def namespace_prefix() -> tuple[str, ...]:
+    """``unshare`` arguments that work on this machine (network + PID namespaces), or ``()``."""
+    unshare = shutil.which("unshare")
+    if unshare is None:
+        return ()
+    prefix = [unshare, "--net", "--pid", "--fork", "--kill-child"]
+    if os.geteuid() != 0:
+        prefix.append("--map-root-user")
+    try:
+        ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        ok = False
+    return tuple(prefix) if ok else ()
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
+def run_tests(
+    code: str,
+    tests: list[str],
+    setup: str = "",
+    *,
+    timeout: float = 5.0,
+    memory_mb: int = 512,
+    tmp_root: str | None = None,
+) -> list[bool]:
+    """Runs ``setup``, then ``code``, then each assert in ``tests`` in a sandboxed process.
+
+    Args:
+      code: the generated program.
+      tests: test statements (MBPP asserts), each run in the program's namespace.
+      setup: code run before the program (the task's imports/fixtures).
+      timeout: wall-clock seconds for the whole run; RLIMIT_CPU is ``ceil(timeout) + 1``.
+      memory_mb: RLIMIT_AS of the child, in MiB.
+      tmp_root: where the temporary directory is made (default: the system temp dir).
+
+    Returns:
+      [len(tests)] booleans; a test the process did not report (crash, timeout) failed.
+    """
+    nonce = secrets.token_hex(16)
+    spec = {
+        "nonce": nonce,
+        "code": code,
+        "setup": setup or "",
+        "tests": list(tests),
+        "blocked_events": _BLOCKED_EVENTS,
+        "write_events": _WRITE_EVENTS,
+        "blocked_modules": _BLOCKED_MODULES,
+        "limits": {
+            "RLIMIT_AS": memory_mb * 2**20,
+            "RLIMIT_CPU": int(timeout) + 2,
+            "RLIMIT_NPROC": 1,
+            "RLIMIT_FSIZE": 2**20,
+            "RLIMIT_NOFILE": 64,
+            "RLIMIT_CORE": 0,
+        },
+    }
+    with tempfile.TemporaryDirectory(prefix="jaxgrpo_sandbox_", dir=tmp_root) as root:
+        work = os.path.join(root, "work")
+        os.mkdir(work)
+        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
+        command = [*namespace_prefix(), sys.executable, "-I", "-S", "-c", _RUNNER]
+        with open(os.path.join(root, "results"), "w+b") as results:
+            proc = subprocess.Popen(
+                command,
+                stdin=subprocess.PIPE,
+                stdout=results,
+                stderr=subprocess.DEVNULL,
+                cwd=work,
+                env=env,
+                start_new_session=True,
+            )
+            try:
+                proc.communicate(json.dumps(spec).encode(), timeout=timeout)
+            except subprocess.TimeoutExpired:
+                pass
+            finally:
+                _kill_group(proc)
+            results.seek(0)
+            lines = results.read(2**20).decode(errors="replace").splitlines()
+    return _parse_results(lines, nonce, len(tests))
+
+
+def _parse_results(lines: list[str], nonce: str, num_tests: int) -> list[bool]:
+    passed = [False] * num_tests
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) == 3 and fields[0] == nonce and fields[1].isdigit() and fields[2] == "1":
+            index = int(fields[1])
+            if index < num_tests:
+                passed[index] = True
+    return passed
+
+
+def code_tests(
+    prompts: list[str],
+    completions: list[str],
+    *,
+    tests: list,
+    setup: list | None = None,
+    timeout: float = 5.0,
+    memory_mb: int = 512,
+    max_workers: int = 4,
+    **_,
+) -> list[float | None]:
+    """``r_i = (# asserts of tests_i that pass) / len(tests_i)`` running ``extract_code(c_i)``.
+
+    No fenced code block scores 0.0; a sample without tests scores None. Completions run in
+    parallel (``max_workers`` processes), each under ``run_tests``'s sandbox and limits.
+
+    Args:
+      prompts: [N] prompt strings (unused).
+      completions: [N] completion strings.
+      tests: [N] lists of assert statements.
+      setup: [N] setup code strings (optional).
+
+    Returns:
+      [N] floats in [0, 1], or None where a sample has no tests.
+    """
+    del prompts
+    setups = setup if setup is not None else [""] * len(completions)
+
+    def score(args) -> float | None:
+        completion, sample_tests, sample_setup = args
+        if not sample_tests:
+            return None
+        code = extract_code(completion if isinstance(completion, str) else str(completion))
+        if code is None:
+            return 0.0
+        passed = run_tests(code, sample_tests, sample_setup or "", timeout=timeout,
+                           memory_mb=memory_mb)  # fmt: skip
+        return sum(passed) / len(passed)
+
+    jobs = list(zip(completions, tests, setups, strict=True))
+    with concurrent.futures.ThreadPoolExecutor(max(1, min(max_workers, len(jobs)))) as pool:
+        return list(pool.map(score, jobs))

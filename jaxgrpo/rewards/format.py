@@ -1,0 +1,144 @@
+"""Format rewards: strict ``<answer>`` format, R1-style think/answer format, and ``format_copy``.
+
+All three give partial credit so that a weak policy still sees reward variance within a group,
+and all three punish the ``</answer> </answer> ...`` doom loop of the seed study, where a model
+that learned "closing tags earn reward" repeats them until the length limit.
+"""
+
+from __future__ import annotations
+
+import re
+
+from jaxgrpo.rewards.math import completion_text
+
+_OPEN, _CLOSE = "<answer>", "</answer>"
+_PAIR_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_EXTRA_CLOSE_COST = 0.1
+_MAX_EXTRA_CLOSE_COST = 0.5
+
+
+def repeated_close_penalty(text: str, tags: tuple[str, ...] = (_CLOSE,)) -> float:
+    """``min(0.5, 0.1 * extra)`` where ``extra`` counts closing tags beyond the first per tag."""
+    extra = sum(max(0, text.count(tag) - 1) for tag in tags)
+    return min(_MAX_EXTRA_CLOSE_COST, _EXTRA_CLOSE_COST * extra)
+
+
+def single_answer(text: str) -> str | None:
+    """Content of the only ``<answer>`` pair when exactly one open and one close tag appear in
+    that order (so no nesting, no repeats); None otherwise."""
+    if text.count(_OPEN) != 1 or text.count(_CLOSE) != 1:
+        return None
+    match = _PAIR_RE.search(text)
+    return match.group(1) if match else None
+
+
+def reasoning_text(completion) -> str:
+    """The completion without ``<answer>`` blocks and think/reasoning tags, for soft rewards
+    (BLEU, embeddings) that compare the reasoning to a reference solution; the whole text when
+    nothing else is left."""
+    text = completion_text(completion)
+    reasoning = _PAIR_RE.sub(" ", text)
+    reasoning = re.sub(r"</?(?:answer|think|reasoning)>", " ", reasoning)
+    reasoning = re.sub(r"\s+", " ", reasoning).strip()
+    return reasoning or text.strip()
+
+
+def _strict_score(text: str) -> float:
+    text = text.strip()
+    content = single_answer(text)
+    if content is not None and content.strip() and "<" not in content:
+        level = 1.0 if text.startswith(_OPEN) and text.endswith(_CLOSE) else 0.5
+    elif _OPEN in text or _CLOSE in text:
+        level = 0.25
+    else:
+        level = 0.0
+    return level - repeated_close_penalty(text)
+
+
+def format_strict(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """Strict answer format: exactly one ``<answer>`` tag and nothing else.
+
+    Levels (before the penalty):
+
+    - 1.0  the stripped completion is ``<answer>X</answer>`` with non-empty, tag-free X;
+    - 0.5  exactly one well-formed, non-empty pair, but with text outside it;
+    - 0.25 an answer tag appears, but not as exactly one well-formed pair (unclosed, nested,
+      several answers, empty);
+    - 0.0  no answer tag.
+
+    Penalty: ``repeated_close_penalty`` (0.1 per ``</answer>`` beyond the first, at most 0.5), so
+    the doom loop scores below a completion with no tag at all. Range [-0.5, 1].
+    """
+    del prompts
+    return [_strict_score(completion_text(c)) for c in completions]
+
+
+def _r1_score(text: str) -> float:
+    text = text.strip()
+    think = text.count("<think>") == 1 and text.count("</think>") == 1
+    think = think and text.index("<think>") < text.index("</think>")
+    answer = single_answer(text) is not None
+    ordered = think and answer and text.index("</think>") < text.index(_OPEN)
+    exact = ordered and text.startswith("<think>") and text.endswith(_CLOSE)
+    level = 0.25 * (think + answer + ordered + exact)
+    return level - repeated_close_penalty(text, ("</think>", _CLOSE))
+
+
+def format_r1(prompts: list[str], completions: list[str], **_) -> list[float]:
+    """R1-style format ``<think>...</think><answer>...</answer>``, 0.25 per satisfied level:
+
+    - one ``<think>...</think>`` pair;
+    - one ``<answer>...</answer>`` pair;
+    - both, with the think block closed before the answer opens;
+    - all of the above, and nothing outside (starts with ``<think>``, ends with ``</answer>``).
+
+    So only the exact shape scores 1.0. Penalty: 0.1 per repeated ``</think>`` or ``</answer>``
+    beyond the first, at most 0.5. Range [-0.5, 1].
+    """
+    del prompts
+    return [_r1_score(completion_text(c)) for c in completions]
+
+
+def _number_re(number: str) -> re.Pattern:
+    # The integer as a whole token: "42" must not match inside "142", "420", "-42" or "42.5".
+    return re.compile(r"(?<![\d.\-])" + re.escape(number) + r"(?!\d|\.\d)")
+
+
+def _copy_score(text: str, number: str) -> float:
+    text = text.strip()
+    if text == f"{_OPEN}{number}{_CLOSE}":
+        return 1.0
+    pattern = _number_re(number)
+    content = single_answer(text)
+    appears = pattern.search(text) is not None
+    tagged = content is not None
+    inside = tagged and pattern.search(content) is not None
+    return 0.25 * (appears + tagged + inside)
+
+
+def format_copy(
+    prompts: list[str], completions: list[str], *, answer: list, **_
+) -> list[float | None]:
+    """Partial-credit reward of the ``format_copy`` task ("Copy this integer exactly: N").
+
+    Levels, strictly ordered by quality:
+
+    - 0.0  neither N nor a well-formed answer tag;
+    - 0.25 N appears as a whole number somewhere, *or* exactly one well-formed
+      ``<answer>...</answer>`` pair appears (holding something else);
+    - 0.5  N appears and the pair is well-formed, but N is outside the tag;
+    - 0.75 N is inside the single well-formed tag, but there is other text (or other content in
+      the tag);
+    - 1.0  ONLY the exact ``<answer>N</answer>``, modulo surrounding whitespace.
+
+    Repeated or nested tags are not "well-formed", so the doom loop caps at 0.25. A missing
+    reference scores None.
+    """
+    del prompts
+    rewards: list[float | None] = []
+    for completion, number in zip(completions, answer, strict=True):
+        if number is None or not str(number).strip():
+            rewards.append(None)
+        else:
+            rewards.append(_copy_score(completion_text(completion), str(number).strip()))
+    return rewards
