@@ -1,0 +1,248 @@
+"""Metric sinks (JSONL, TensorBoard, Weights & Biases), sample dumps, progress bar, dead-run alarms.
+
+Only process 0 writes anything: every other process gets the same objects, whose methods do
+nothing, so callers never branch on the process index.
+
+Metric keys the progress bar and the dead-run check read (the learner writes them):
+
+    reward/mean, reward/std       total reward over the step's completions
+    kl/mean                       mean per-token KL(pi || pi_ref)
+    completion/truncated_frac     fraction of completions that hit max_new_tokens
+    time/sampling, time/rewards, time/update   seconds spent in each phase of the step
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+from absl import logging
+
+REWARD_MEAN = "reward/mean"
+REWARD_STD = "reward/std"
+KL_MEAN = "kl/mean"
+TRUNCATED_FRAC = "completion/truncated_frac"
+TIME_KEYS = ("time/sampling", "time/rewards", "time/update")
+
+_WARNED: set[str] = set()
+
+
+def warn_once(key: str, message: str) -> bool:
+    """Logs ``message`` loudly (stderr banner + absl warning) the first time ``key`` is seen.
+
+    Returns:
+      True if the warning was emitted now, False if it had been emitted before.
+    """
+    if key in _WARNED:
+        return False
+    _WARNED.add(key)
+    banner = "!" * 78
+    print(f"\n{banner}\nWARNING: {message}\n{banner}", file=sys.stderr, flush=True)
+    logging.warning("%s", message)
+    return True
+
+
+def check_dead_run(step: int, metrics: Mapping[str, Any]) -> list[str]:
+    """Warns once when a step looks dead although its loss may look healthy.
+
+    A step is dead when every completion was truncated (the model never stops), or when every
+    reward in the batch is identical (all advantages are 0, so nothing is learned).
+
+    Returns:
+      The keys of the warnings that fired at this call.
+    """
+    fired = []
+    truncated = metrics.get(TRUNCATED_FRAC)
+    if truncated is not None and float(truncated) >= 1.0:
+        msg = (
+            f"step {step}: every completion was truncated at max_new_tokens: the rewards see "
+            "no finished answer. Raise sampling.max_new_tokens or check the stop tokens."
+        )
+        if warn_once("dead_run/truncated", msg):
+            fired.append("dead_run/truncated")
+    reward_std = metrics.get(REWARD_STD)
+    if reward_std is not None and float(reward_std) == 0.0:
+        msg = (
+            f"step {step}: every reward in the batch is identical, so every advantage is 0 and "
+            "the policy does not move (the loss still looks fine). Use a reward with partial "
+            "credit, more samples per prompt, or rl.dynamic_sampling."
+        )
+        if warn_once("dead_run/constant_reward", msg):
+            fired.append("dead_run/constant_reward")
+    return fired
+
+
+def _scalar(value: Any) -> float | int | str | None:
+    """Python scalar for JSON: arrays of size 1 unwrapped, NaN/Inf as None (strict JSON)."""
+    if isinstance(value, str | bool) or value is None:
+        return value
+    arr = np.asarray(value)
+    if arr.size != 1:
+        raise ValueError(f"metric values must be scalars, got shape {arr.shape}")
+    item = arr.reshape(()).item()
+    if isinstance(item, float) and not math.isfinite(item):
+        return None
+    return item
+
+
+def truncate_jsonl(path: str, max_step: int) -> None:
+    """Drops lines whose ``step`` exceeds ``max_step`` (they will be re-run after a resume)."""
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        lines = [line for line in f if line.strip()]
+    kept = [line for line in lines if json.loads(line).get("step", 0) <= max_step]
+    if len(kept) != len(lines):
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, path)
+
+
+class MetricsLogger:
+    """Writes ``metrics.jsonl`` (one object per step), TensorBoard, W&B and ``samples.jsonl``."""
+
+    def __init__(
+        self,
+        run_dir: str,
+        process_index: int = 0,
+        *,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "jaxgrpo",
+        config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
+    ):
+        """Args:
+        run_dir: output directory (created).
+        process_index: this process's index; only 0 writes.
+        tensorboard: also write TensorBoard events to ``run_dir/tensorboard``.
+        wandb: also log to Weights & Biases, if the package is installed.
+        wandb_project: W&B project.
+        config: run config snapshot for W&B.
+        resume_step: when resuming from a checkpoint at this step, existing lines for later
+          steps are dropped so the re-run steps are not logged twice.
+        """
+        self.active = process_index == 0
+        self.run_dir = run_dir
+        self._tb = self._wandb = None
+        if not self.active:
+            return
+        os.makedirs(run_dir, exist_ok=True)
+        self.metrics_path = os.path.join(run_dir, "metrics.jsonl")
+        self.samples_path = os.path.join(run_dir, "samples.jsonl")
+        if resume_step is not None:
+            truncate_jsonl(self.metrics_path, resume_step)
+            truncate_jsonl(self.samples_path, resume_step)
+        self._metrics_file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115
+        self._samples_file = open(self.samples_path, "a", encoding="utf-8")  # noqa: SIM115
+        if tensorboard:
+            from tensorboardX import SummaryWriter
+
+            self._tb = SummaryWriter(logdir=os.path.join(run_dir, "tensorboard"))
+        if wandb:
+            self._wandb = _init_wandb(run_dir, wandb_project, config)
+
+    def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Writes one step's scalar metrics to every enabled sink."""
+        if not self.active:
+            return
+        row = {"step": int(step), "time": time.time()}
+        row.update({k: _scalar(v) for k, v in metrics.items()})
+        self._metrics_file.write(json.dumps(row) + "\n")
+        self._metrics_file.flush()
+        numeric = {
+            k: v
+            for k, v in row.items()
+            if isinstance(v, int | float) and not isinstance(v, bool) and k not in ("step", "time")
+        }
+        if self._tb is not None:
+            for k, v in numeric.items():
+                self._tb.add_scalar(k, v, global_step=int(step))
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numeric, step=int(step))
+
+    def log_samples(self, step: int, samples: Iterable[Mapping[str, Any]]) -> None:
+        """Appends sample completions (prompt, completion, rewards, ...) to ``samples.jsonl``."""
+        if not self.active:
+            return
+        for sample in samples:
+            row = {"step": int(step), **{k: _jsonable(v) for k, v in sample.items()}}
+            self._samples_file.write(json.dumps(row) + "\n")
+        self._samples_file.flush()
+
+    def close(self) -> None:
+        if not self.active:
+            return
+        self._metrics_file.close()
+        self._samples_file.close()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, str | bool) or value is None:
+        return value
+    if isinstance(value, list | tuple) or (hasattr(value, "shape") and np.ndim(value) > 0):
+        return [_jsonable(v) for v in value]
+    return _scalar(value)
+
+
+def _init_wandb(run_dir: str, project: str, config: Mapping[str, Any] | None):
+    try:
+        import wandb
+    except ImportError:
+        warn_once("wandb/missing", "logging.wandb=True but wandb is not installed; skipping W&B")
+        return None
+    name = os.path.basename(os.path.abspath(run_dir))
+    return wandb.init(project=project, name=name, dir=run_dir, config=dict(config or {}))
+
+
+class ProgressBar:
+    """tqdm bar: step, reward, KL, and seconds per step split into sampling / rewards / update."""
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+        self._bar = None
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+
+    @staticmethod
+    def describe(metrics: Mapping[str, Any]) -> str:
+        """Postfix text, e.g. ``reward=0.41 kl=0.003 s=4.2 (sample 2.1|reward 0.1|update 2.0)``."""
+        parts = []
+        if REWARD_MEAN in metrics:
+            parts.append(f"reward={float(metrics[REWARD_MEAN]):.3f}")
+        if KL_MEAN in metrics:
+            parts.append(f"kl={float(metrics[KL_MEAN]):.4f}")
+        times = [float(metrics[k]) if k in metrics else None for k in TIME_KEYS]
+        if any(t is not None for t in times):
+            split = "|".join(
+                f"{name} {t:.1f}"
+                for name, t in zip(("sample", "reward", "update"), times, strict=True)
+                if t is not None
+            )
+            parts.append(f"s={sum(t for t in times if t is not None):.1f} ({split})")
+        return " ".join(parts)
+
+    def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        if self._bar is None:
+            return
+        self._bar.set_postfix_str(self.describe(metrics), refresh=False)
+        self._bar.update(step - self._bar.n)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
