@@ -21,7 +21,6 @@ from ml_collections import ConfigDict
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-CURRICULUM_KINDS = ("constant", "linear", "step", "cosine")
 
 
 class ConfigError(ValueError):
@@ -54,9 +53,9 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardsConfig:
-    """Reward functions as (name, weight) with weight a float or a curriculum dict."""
+    """``RewardSet`` specs: (name, weight[, kwargs]), weight a float or a curriculum dict."""
 
-    functions: tuple[tuple[str, float | Mapping[str, Any]], ...]
+    functions: tuple[tuple[Any, ...], ...]
     reward_on_error: str
 
 
@@ -310,24 +309,32 @@ def _one_of(cfg: ConfigDict, key: str, options: tuple) -> None:
 
 
 def _check_rewards(cfg: ConfigDict) -> None:
+    from jaxgrpo.rewards import REWARDS, Curriculum
+
     functions = cfg.rewards.functions
     _require(len(functions) > 0, "rewards.functions", "needs at least one reward", functions)
     for i, entry in enumerate(functions):
         key = f"rewards.functions[{i}]"
         _require(
-            isinstance(entry, tuple | list) and len(entry) == 2 and isinstance(entry[0], str),
+            isinstance(entry, tuple | list) and len(entry) in (2, 3) and isinstance(entry[0], str),
             key,
-            "must be (name, weight) or (name, curriculum dict)",
+            "must be (name, weight), (name, curriculum dict) or (name, weight, kwargs dict)",
             entry,
         )
+        name = entry[0]
+        known = name in REWARDS or "." in name or ":" in name
+        _require(known, key, f"unknown reward; known: {sorted(REWARDS)} or a dotted path", name)
         weight = entry[1]
-        if isinstance(weight, Mapping):
-            kind = weight.get("kind")
-            msg = f"curriculum kind must be one of {list(CURRICULUM_KINDS)}"
-            _require(kind in CURRICULUM_KINDS, key, msg, kind)
-        else:
-            ok = isinstance(weight, int | float) and not isinstance(weight, bool)
-            _require(ok and math.isfinite(weight), key, "weight must be a finite number", weight)
+        if isinstance(weight, bool) or not isinstance(weight, int | float | Mapping):
+            _require(False, key, "weight must be a number or a curriculum dict", weight)
+        if not isinstance(weight, Mapping):
+            _require(math.isfinite(weight), key, "weight must be finite", weight)
+        try:
+            Curriculum.from_spec(dict(weight) if isinstance(weight, Mapping) else weight)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"config key {key!r}: bad curriculum {weight!r}: {e}") from None
+        if len(entry) == 3:
+            _require(isinstance(entry[2], Mapping), key, "kwargs must be a dict", entry[2])
     _one_of(cfg, "rewards.reward_on_error", ("none", "raise"))
 
 
@@ -456,7 +463,9 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
     d = cfg.to_dict()
     m, s, rw = d["model"], d["sampling"], d["rewards"]
     functions = tuple(
-        (name, dict(w) if isinstance(w, Mapping) else float(w)) for name, w in rw["functions"]
+        (entry[0], dict(entry[1]) if isinstance(entry[1], Mapping) else float(entry[1]))
+        + tuple(dict(x) for x in entry[2:])
+        for entry in rw["functions"]
     )
     return TrainConfig(
         run_dir=d["run_dir"],

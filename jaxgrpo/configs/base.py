@@ -31,7 +31,8 @@ def _task() -> ConfigDict:
 
 def _rewards() -> ConfigDict:
     c = ConfigDict()
-    # (name, weight) or (name, curriculum dict with "kind" in constant/linear/step/cosine, ...).
+    # (name, weight[, kwargs]): weight a float or a curriculum dict (jaxgrpo.rewards.Curriculum:
+    # kind constant/linear/step/cosine, start, end, start_step, end_step); kwargs bound to the fn.
     c.functions = (("format_copy", 1.0),)
     c.reward_on_error = "none"  # a reward fn that raises: "none" scores None, "raise" stops the run
     return c

@@ -12,7 +12,13 @@ def get_config():
     c.run_dir = "runs/gsm8k_curriculum"
     c.task.name = "gsm8k_r1_traces"
     c.rewards.functions = (
-        ("embedding", {"kind": "linear", "start": 1.0, "end": 0.0, "steps": 100}),
-        ("exact_answer", {"kind": "linear", "start": 0.0, "end": 1.0, "steps": 100}),
+        (
+            "embedding",
+            {"kind": "linear", "start": 1.0, "end": 0.0, "start_step": 0, "end_step": 100},
+        ),
+        (
+            "exact_answer",
+            {"kind": "linear", "start": 0.0, "end": 1.0, "start_step": 0, "end_step": 100},
+        ),
     )
     return c
