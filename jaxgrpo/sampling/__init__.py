@@ -1,0 +1,48 @@
+"""XLA-compiled generation: KV-cache prefill + ``while_loop`` decode, traced knobs, schedules.
+
+``from jaxgrpo.sampling import generate`` is the entry point; ``loop`` holds the model-free
+core (tested with a fake model), ``select`` the token choice, ``schedules`` the temperature
+schedules the trainer feeds.
+"""
+
+from jaxgrpo.sampling.generate import (
+    SampleOutput,
+    compiled_programs,
+    generate,
+    generate_from_state,
+    make_knobs,
+)
+from jaxgrpo.sampling.loop import Knobs, LoopConfig, SamplingState, StopReason, decode, prefill
+from jaxgrpo.sampling.schedules import (
+    constant,
+    cosine,
+    exponential,
+    linear,
+    make_schedule,
+    piecewise,
+    temperatures,
+)
+from jaxgrpo.sampling.select import select_tokens, truncate
+
+__all__ = [
+    "Knobs",
+    "LoopConfig",
+    "SampleOutput",
+    "SamplingState",
+    "StopReason",
+    "compiled_programs",
+    "constant",
+    "cosine",
+    "decode",
+    "exponential",
+    "generate",
+    "generate_from_state",
+    "linear",
+    "make_knobs",
+    "make_schedule",
+    "piecewise",
+    "prefill",
+    "select_tokens",
+    "temperatures",
+    "truncate",
+]

@@ -1,0 +1,204 @@
+"""``generate``: the sampling loop of ``loop.py`` wired to a ``Transformer`` and its ``KVCache``.
+
+Two programs are compiled per shape bucket (B, P, T) and static settings: ``prefill`` (the
+prompts once, cache repeated to G rows, token 0) and ``decode`` (the ``while_loop``, its state
+donated so the cache is updated in place). Both take the model state as a pure pytree; the
+``graphdef`` is closed over (never passed as data) and the jitted pair is cached per
+(graphdef, model config, static settings), so a second call with the same shapes compiles
+nothing, whatever the temperature, top-p or min-p.
+"""
+
+import functools
+from collections.abc import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgrpo.sampling.loop import Knobs, LoopConfig, SamplingState, decode, prefill
+from jaxgrpo.types import Array, PyTree
+
+
+@flax.struct.dataclass
+class SampleOutput:
+    """Completions for N = B * G rows (prompt b -> rows b*G .. b*G+G-1).
+
+    Attributes:
+      tokens: int32 [N, T]; ``pad_id`` after the stopping token.
+      logprobs: float32 [N, T]; log-prob of each token under the temperature-scaled,
+        untruncated distribution (T = 1 for greedy positions); 0 where masked.
+      mask: int32 [N, T]; 1 up to and including the stopping token.
+      lengths: int32 [N]; ``mask.sum(1)``.
+      stop_reason: int32 [N]; ``StopReason`` values.
+      temperatures: float32 [N, T]; the temperature each position was sampled at.
+      steps: int32 scalar; positions actually decoded (< T after an early exit).
+    """
+
+    tokens: Array
+    logprobs: Array
+    mask: Array
+    lengths: Array
+    stop_reason: Array
+    temperatures: Array
+    steps: Array
+
+
+def _step_fn(graphdef: nnx.GraphDef):
+    """``(states, ids_BT, mask_BT, cache) -> (last logits_BV, cache)`` for the loop."""
+
+    def step_fn(states, ids_BT, mask_BT, cache):
+        model = nnx.merge(graphdef, *states)
+        h_BTD, cache = model.hidden(ids_BT, attention_mask_BT=mask_BT, cache=cache)
+        # Only the last position is needed: never build [B, P, V] logits for the prompt.
+        return model.logits(h_BTD[:, -1:, :])[:, 0, :], cache
+
+    return step_fn
+
+
+@functools.lru_cache(maxsize=32)
+def _programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: str):
+    """Jitted (prefill, decode) pair for one model structure and static loop settings."""
+    from jaxgrpo.models.kv_cache import init_cache
+
+    step_fn = _step_fn(graphdef)
+
+    def prefill_fn(states, ids_BP, mask_BP, knobs, rng) -> SamplingState:
+        batch, prompt_len = ids_BP.shape
+        cache = init_cache(model_cfg, batch, prompt_len + cfg.max_new_tokens, cache_dtype)
+        return prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
+
+    def decode_fn(states, state, knobs) -> SamplingState:
+        return decode(step_fn, states, state, knobs, cfg)
+
+    return jax.jit(prefill_fn), jax.jit(decode_fn, donate_argnums=1)
+
+
+def compiled_programs() -> int:
+    """Total number of programs compiled so far by ``generate`` (for recompilation tests)."""
+    total = 0
+    for key in _cached_keys:
+        prefill_jit, decode_jit = _programs(*key)
+        total += prefill_jit._cache_size() + decode_jit._cache_size()
+    return total
+
+
+_cached_keys: set = set()
+
+
+def make_knobs(
+    n: int,
+    max_new_tokens: int,
+    *,
+    temperature,
+    top_p=1.0,
+    min_p=0.0,
+    max_lengths=None,
+    repetition_count: int = 4,
+    pad_id: int = 0,
+) -> Knobs:
+    """Builds the traced settings with fixed dtypes and shapes, so values never recompile.
+
+    ``temperature`` may be a scalar, a [T] per-position array, or [N, T] (or [N, 1]) per row.
+    ``max_lengths`` may be None (= T), a scalar, or an [N] array.
+    """
+    t = max_new_tokens
+    temperature_NT = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n, t))
+    max_len = t if max_lengths is None else max_lengths
+    max_len_N = jnp.clip(jnp.broadcast_to(jnp.asarray(max_len, jnp.int32), (n,)), 1, t)
+    return Knobs(
+        temperature_NT=temperature_NT,
+        top_p=jnp.asarray(top_p, jnp.float32),
+        min_p=jnp.asarray(min_p, jnp.float32),
+        max_len_N=max_len_N,
+        repetition_count=jnp.asarray(max(repetition_count, 2), jnp.int32),
+        pad_id=jnp.asarray(pad_id, jnp.int32),
+    )
+
+
+def generate_from_state(
+    graphdef: nnx.GraphDef,
+    states: Sequence[PyTree],
+    model_cfg,
+    prompt_ids: Array,
+    prompt_mask: Array,
+    *,
+    rng: Array,
+    max_new_tokens: int,
+    temperature=1.0,
+    top_p=1.0,
+    top_k: int = 0,
+    min_p=0.0,
+    eos_ids: Sequence[int] = (),
+    num_samples: int = 1,
+    max_lengths=None,
+    repetition_ngram: int = 0,
+    repetition_count: int = 4,
+    pad_id: int = 0,
+    cache_dtype: str | None = None,
+) -> SampleOutput:
+    """``generate`` for a split model: ``nnx.merge(graphdef, *states)`` is the model.
+
+    The trainer calls this with ``states = (base, lora)`` so nothing is re-split per step.
+    Arguments are those of ``generate``.
+    """
+    cfg = LoopConfig(
+        max_new_tokens=int(max_new_tokens),
+        num_samples=int(num_samples),
+        eos_ids=tuple(int(e) for e in eos_ids),
+        top_k=int(top_k),
+        repetition_ngram=int(repetition_ngram),
+    )
+    cache_dtype = cache_dtype or getattr(model_cfg, "dtype", "float32")
+    key = (graphdef, model_cfg, cfg, cache_dtype)
+    _cached_keys.add(key)
+    prefill_jit, decode_jit = _programs(*key)
+    n = prompt_ids.shape[0] * cfg.num_samples
+    if max_lengths is not None and jnp.ndim(max_lengths) == 1 and cfg.num_samples > 1:
+        if jnp.shape(max_lengths)[0] != n:
+            max_lengths = jnp.repeat(jnp.asarray(max_lengths), cfg.num_samples)
+    knobs = make_knobs(
+        n,
+        cfg.max_new_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        min_p=min_p,
+        max_lengths=max_lengths,
+        repetition_count=repetition_count,
+        pad_id=pad_id,
+    )
+    ids = jnp.asarray(prompt_ids, jnp.int32)
+    mask = jnp.asarray(prompt_mask, jnp.int32)
+    state = prefill_jit(tuple(states), ids, mask, knobs, rng)
+    state = decode_jit(tuple(states), state, knobs)
+    return SampleOutput(
+        tokens=state.tokens_NT,
+        logprobs=state.logprobs_NT,
+        mask=state.mask_NT,
+        lengths=state.lengths_N,
+        stop_reason=state.stop_reason_N,
+        temperatures=knobs.temperature_NT,
+        steps=state.step,
+    )
+
+
+def generate(model: nnx.Module, prompt_ids: Array, prompt_mask: Array, **kwargs) -> SampleOutput:
+    """Samples ``num_samples`` completions per prompt with a KV cache.
+
+    Args:
+      model: a ``jaxgrpo.models.transformer.Transformer`` (any module with ``hidden``/``logits``
+        and a ``cfg`` accepted by ``init_cache``).
+      prompt_ids: int32 [B, P] left-padded prompts (P is the bucket length).
+      prompt_mask: int32 [B, P], 1 on prompt tokens.
+      **kwargs: ``rng`` (PRNG key), ``max_new_tokens`` (T, static), ``temperature`` (scalar,
+        [T] or [N, T]; <= 0 is greedy; traced), ``top_p`` (traced, 1 = off), ``top_k`` (static,
+        0 = off), ``min_p`` (traced, 0 = off), ``eos_ids`` (static stop tokens),
+        ``num_samples`` (G, static), ``max_lengths`` (per-row cap, [B] or [N], traced),
+        ``repetition_ngram`` (static n, 0 = off) and ``repetition_count`` (traced k): stop a row
+        whose tail is one block of <= n tokens repeated k times; ``pad_id``; ``cache_dtype``.
+
+    Returns:
+      ``SampleOutput`` with N = B * G rows.
+    """
+    graphdef, state = nnx.split(model)
+    return generate_from_state(graphdef, (state,), model.cfg, prompt_ids, prompt_mask, **kwargs)

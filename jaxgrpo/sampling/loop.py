@@ -1,0 +1,256 @@
+"""The model-free sampling loop: prefill once, then a ``lax.while_loop`` of one-token steps.
+
+The loop only knows a ``step_fn(params, ids_BT, mask_BT, cache) -> (logits_BV, cache)`` callable
+(flax lm1b's ``tokens_to_logits`` idea): it returns the logits of the *last* position of
+``ids_BT`` and the updated cache. Any pytree works as a cache as long as it has a
+``repeat(G)`` method that repeats each batch row G times (``KVCache.repeat``). Tests drive the
+loop with a fake step function; ``jaxgrpo.sampling.generate`` plugs in the Transformer.
+
+Flow for B prompts and G samples each (N = B * G rows, prompt b -> rows b*G .. b*G+G-1):
+
+1. ``prefill``: one ``step_fn`` call over the left-padded prompts [B, P], so each prompt is
+   processed once; its cache and last logits are then repeated to the N rows and token 0 is
+   sampled.
+2. ``decode``: while ``step < T`` and some row is still running, feed token ``step - 1`` of
+   every row, sample token ``step``, record it. Finished rows keep computing (static shapes)
+   but their outputs are masked.
+
+Randomness is ``fold_in(rng, step)``, so a run is reproducible whatever the early exit.
+"""
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxgrpo.sampling.select import select_tokens
+from jaxgrpo.types import Array, PyTree
+
+StepFn = Callable[[PyTree, Array, Array, Any], tuple[Array, Any]]
+
+
+class StopReason(enum.IntEnum):
+    """Why a row stopped; stored in ``stop_reason`` as int32."""
+
+    LENGTH = 0  # reached max_new_tokens or its own per-row maximum length
+    STOP_TOKEN = 1  # emitted one of the stop (eos) tokens; it is included in the mask
+    REPETITION = 2  # its tail became a block of <= n tokens repeated k times (repetition guard)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopConfig:
+    """Static loop settings: changing any of them compiles a new program.
+
+    Attributes:
+      max_new_tokens: T, number of completion slots.
+      num_samples: G, samples drawn per prompt.
+      eos_ids: token ids that stop a row.
+      top_k: keep only the k most likely tokens (0 = off).
+      repetition_ngram: repetition guard's longest block length n (0 = guard off).
+    """
+
+    max_new_tokens: int
+    num_samples: int = 1
+    eos_ids: tuple[int, ...] = ()
+    top_k: int = 0
+    repetition_ngram: int = 0
+
+
+@flax.struct.dataclass
+class Knobs:
+    """Traced sampling settings: new values never recompile.
+
+    Attributes:
+      temperature_NT: float32 [N, T]; temperature for each row and completion position
+        (<= 0 means greedy at that position).
+      top_p: float32 scalar nucleus mass (1 = off).
+      min_p: float32 scalar min-p ratio (0 = off).
+      max_len_N: int32 [N]; per-row maximum number of new tokens (<= T).
+      repetition_count: int32 scalar k of the repetition guard.
+      pad_id: int32 scalar written into ``tokens`` after a row stopped.
+    """
+
+    temperature_NT: Array
+    top_p: Array
+    min_p: Array
+    max_len_N: Array
+    repetition_count: Array
+    pad_id: Array
+
+
+@flax.struct.dataclass
+class SamplingState:
+    """Loop carry of the decode ``while_loop`` (donated between prefill and decode).
+
+    Attributes:
+      step: int32 scalar; index of the next completion position to sample.
+      tokens_NT: int32 [N, T]; sampled tokens, ``pad_id`` after a row stopped.
+      logprobs_NT: float32 [N, T]; log-probability of each token under the temperature-scaled,
+        untruncated distribution; 0 where masked.
+      mask_NT: int32 [N, T]; 1 up to and including the stopping token.
+      lengths_N: int32 [N]; number of unmasked tokens.
+      done_N: bool [N]; the row has stopped.
+      stop_reason_N: int32 [N]; a ``StopReason`` (LENGTH until something else stops the row).
+      repeat_run_NR: int32 [N, R] with R = max(repetition_ngram, 1); for each block length
+        r = 1..R, how many consecutive recent tokens equal the token r positions earlier.
+      cache: the step function's cache pytree, N rows.
+      rng: PRNG key of the whole call; step keys are ``fold_in(rng, step)``.
+    """
+
+    step: Array
+    tokens_NT: Array
+    logprobs_NT: Array
+    mask_NT: Array
+    lengths_N: Array
+    done_N: Array
+    stop_reason_N: Array
+    repeat_run_NR: Array
+    cache: Any
+    rng: Array
+
+
+def _repetition_runs(state: SamplingState, token_N: Array, active_N: Array) -> Array:
+    """Updates the per-block-length runs of ``token == token r positions back``."""
+    num_r = state.repeat_run_NR.shape[1]
+    back_R = jnp.arange(1, num_r + 1, dtype=jnp.int32)
+    pos_R = state.step - back_R
+    n = state.tokens_NT.shape[0]
+    prev_NR = jnp.take(state.tokens_NT, jnp.clip(pos_R, 0), axis=1)
+    same_NR = (prev_NR == token_N[:, None]) & jnp.broadcast_to(pos_R >= 0, (n, num_r))
+    runs_NR = jnp.where(same_NR, state.repeat_run_NR + 1, 0)
+    return jnp.where(active_N[:, None], runs_NR, state.repeat_run_NR)
+
+
+def _record(
+    state: SamplingState, token_N: Array, logprob_N: Array, knobs: Knobs, cfg: LoopConfig
+) -> SamplingState:
+    """Writes the token sampled at ``state.step`` and updates stop bookkeeping."""
+    active_N = ~state.done_N
+    step = state.step
+    token_N = jnp.where(active_N, token_N, knobs.pad_id)
+    logprob_N = jnp.where(active_N, logprob_N, 0.0)
+    lengths_N = state.lengths_N + active_N.astype(jnp.int32)
+
+    stop_tok_N = jnp.isin(token_N, jnp.asarray(cfg.eos_ids, jnp.int32)) & active_N
+    repeat_run_NR = state.repeat_run_NR
+    stop_rep_N = jnp.zeros_like(active_N)
+    if cfg.repetition_ngram > 0:
+        repeat_run_NR = _repetition_runs(state, token_N, active_N)
+        # A block of length r repeated k times means r * (k - 1) consecutive matches.
+        block_R = jnp.arange(1, cfg.repetition_ngram + 1, dtype=jnp.int32)
+        need_R = block_R * (knobs.repetition_count - 1)
+        hit_NR = repeat_run_NR >= jnp.broadcast_to(need_R, repeat_run_NR.shape)
+        stop_rep_N = jnp.any(hit_NR, axis=1) & active_N & ~stop_tok_N
+    stop_len_N = active_N & (lengths_N >= knobs.max_len_N)
+
+    reason_N = jnp.where(stop_rep_N, StopReason.REPETITION, state.stop_reason_N)
+    reason_N = jnp.where(stop_tok_N, StopReason.STOP_TOKEN, reason_N).astype(jnp.int32)
+    column = (0, step)
+    return state.replace(
+        step=step + 1,
+        tokens_NT=jax.lax.dynamic_update_slice(state.tokens_NT, token_N[:, None], column),
+        logprobs_NT=jax.lax.dynamic_update_slice(state.logprobs_NT, logprob_N[:, None], column),
+        mask_NT=jax.lax.dynamic_update_slice(
+            state.mask_NT, active_N[:, None].astype(jnp.int32), column
+        ),
+        lengths_N=lengths_N,
+        done_N=state.done_N | stop_tok_N | stop_rep_N | stop_len_N,
+        stop_reason_N=reason_N,
+        repeat_run_NR=repeat_run_NR,
+    )
+
+
+def _sample_and_record(
+    state: SamplingState, logits_NV: Array, knobs: Knobs, cfg: LoopConfig
+) -> SamplingState:
+    """Samples token ``state.step`` for every row from ``logits_NV`` and records it."""
+    temperature_N = jax.lax.dynamic_index_in_dim(
+        knobs.temperature_NT, state.step, axis=1, keepdims=False
+    )
+    token_N, logprob_N = select_tokens(
+        jax.random.fold_in(state.rng, state.step),
+        logits_NV,
+        temperature_N,
+        knobs.top_p,
+        knobs.min_p,
+        top_k=cfg.top_k,
+    )
+    return _record(state, token_N, logprob_N, knobs, cfg)
+
+
+def prefill(
+    step_fn: StepFn,
+    params: PyTree,
+    prompt_ids_BP: Array,
+    prompt_mask_BP: Array,
+    cache: Any,
+    knobs: Knobs,
+    rng: Array,
+    cfg: LoopConfig,
+) -> SamplingState:
+    """Runs the prompts once, repeats their cache to G rows each, and samples token 0.
+
+    Args:
+      step_fn: ``(params, ids_BT, mask_BT, cache) -> (last-position logits_BV, cache)``.
+      params: the step function's parameters.
+      prompt_ids_BP: int32 [B, P] left-padded prompts.
+      prompt_mask_BP: int32 [B, P], 1 on real prompt tokens.
+      cache: an empty cache for B rows with room for P + T tokens.
+      knobs: traced settings for N = B * G rows.
+      rng: PRNG key for the call.
+      cfg: static loop settings.
+
+    Returns:
+      The loop state after token 0 (step = 1).
+    """
+    logits_BV, cache = step_fn(params, prompt_ids_BP, prompt_mask_BP, cache)
+    g = cfg.num_samples
+    if g > 1:
+        logits_BV = jnp.repeat(logits_BV, g, axis=0)
+        cache = cache.repeat(g)
+    n, t = knobs.temperature_NT.shape
+    state = SamplingState(
+        step=jnp.zeros((), jnp.int32),
+        tokens_NT=jnp.zeros((n, t), jnp.int32),
+        logprobs_NT=jnp.zeros((n, t), jnp.float32),
+        mask_NT=jnp.zeros((n, t), jnp.int32),
+        lengths_N=jnp.zeros((n,), jnp.int32),
+        done_N=jnp.zeros((n,), bool),
+        stop_reason_N=jnp.full((n,), StopReason.LENGTH, jnp.int32),
+        repeat_run_NR=jnp.zeros((n, max(cfg.repetition_ngram, 1)), jnp.int32),
+        cache=cache,
+        rng=rng,
+    )
+    return _sample_and_record(state, logits_BV, knobs, cfg)
+
+
+def decode(
+    step_fn: StepFn, params: PyTree, state: SamplingState, knobs: Knobs, cfg: LoopConfig
+) -> SamplingState:
+    """Samples tokens ``state.step .. T-1``, exiting as soon as every row has stopped.
+
+    Args:
+      step_fn: as in ``prefill``; called on [N, 1] token batches.
+      params: the step function's parameters.
+      state: the state returned by ``prefill``.
+      knobs: traced settings.
+      cfg: static loop settings.
+
+    Returns:
+      The final state; ``step`` is the number of positions actually sampled.
+    """
+    t = state.tokens_NT.shape[1]
+
+    def cond(s: SamplingState) -> Array:
+        return (s.step < t) & ~jnp.all(s.done_N)
+
+    def body(s: SamplingState) -> SamplingState:
+        last_N1 = jax.lax.dynamic_slice_in_dim(s.tokens_NT, s.step - 1, 1, axis=1)
+        logits_NV, cache = step_fn(params, last_N1, jnp.ones_like(last_N1), s.cache)
+        return _sample_and_record(s.replace(cache=cache), logits_NV, knobs, cfg)
+
+    return jax.lax.while_loop(cond, body, state)

@@ -1,0 +1,255 @@
+"""Sampler tests without a real model: the loop over a fake step function, token selection
+statistics, and temperature schedules."""
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy import stats
+
+from jaxgrpo import sampling
+from jaxgrpo.sampling import LoopConfig, StopReason
+
+V = 16
+select = jax.jit(sampling.select_tokens, static_argnames="top_k")
+
+
+@flax.struct.dataclass
+class FakeCache:
+    """Records every token fed to the fake model, so tests can check what the loop fed it."""
+
+    tokens_BS: jax.Array
+    index: jax.Array
+    calls: jax.Array
+
+    def repeat(self, g):
+        return self.replace(tokens_BS=jnp.repeat(self.tokens_BS, g, axis=0))
+
+
+def fake_cache(batch, size):
+    return FakeCache(
+        jnp.full((batch, size), -1, jnp.int32), jnp.zeros((), jnp.int32), jnp.zeros((), jnp.int32)
+    )
+
+
+def bigram_step(table_VV, ids_BT, mask_BT, cache):
+    """A bigram 'language model': logits of the next token are ``table[last token]``."""
+    tokens_BS = jax.lax.dynamic_update_slice(cache.tokens_BS, ids_BT, (0, cache.index))
+    cache = FakeCache(tokens_BS, cache.index + ids_BT.shape[1], cache.calls + 1)
+    return table_VV[ids_BT[:, -1]], cache
+
+
+def successor_table(period=V, eos_free=True):
+    """Greedy bigram table whose argmax after token t is (t + 1) % period."""
+    nxt = (np.arange(V) + 1) % period
+    return jnp.asarray(np.eye(V, dtype=np.float32)[nxt] * 10.0)
+
+
+def run_loop(
+    table,
+    prompt_ids,
+    *,
+    t,
+    rng=0,
+    g=1,
+    temperature=0.0,
+    top_p=1.0,
+    min_p=0.0,
+    max_lengths=None,
+    eos_ids=(),
+    top_k=0,
+    rep_n=0,
+    rep_k=4,
+):
+    b, p = prompt_ids.shape
+    cfg = LoopConfig(
+        max_new_tokens=t, num_samples=g, eos_ids=eos_ids, top_k=top_k, repetition_ngram=rep_n
+    )
+    knobs = sampling.make_knobs(
+        b * g,
+        t,
+        temperature=temperature,
+        top_p=top_p,
+        min_p=min_p,
+        max_lengths=max_lengths,
+        repetition_count=rep_k,
+    )
+
+    @jax.jit
+    def go(table, ids, knobs, key):
+        mask = jnp.ones_like(ids)
+        state = sampling.prefill(
+            bigram_step, table, ids, mask, fake_cache(b, p + t), knobs, key, cfg
+        )
+        return sampling.decode(bigram_step, table, state, knobs, cfg)
+
+    return go(table, jnp.asarray(prompt_ids, jnp.int32), knobs, jax.random.key(rng))
+
+
+def test_stop_tokens_mask_lengths_and_early_exit():
+    """Greedy successor model: prompt ending in s emits s+1, s+2, ...; eos ids 9 and 12.
+
+    Row 0 ends in 5 -> 6 7 8 9 (stops at 9, length 4); row 1 ends in 10 -> 11 12 (length 2);
+    row 2 ends in 0 -> 1 .. 9 (length 9). T = 12, so the loop exits after step 9 < T.
+    """
+    prompts = np.array([[3, 4, 5], [1, 2, 10], [7, 7, 0]])
+    s = run_loop(successor_table(), prompts, t=12, eos_ids=(9, 12))
+    np.testing.assert_array_equal(s.lengths_N, [4, 2, 9])
+    np.testing.assert_array_equal(s.stop_reason_N, [StopReason.STOP_TOKEN] * 3)
+    np.testing.assert_array_equal(s.tokens_NT[0, :5], [6, 7, 8, 9, 0])
+    np.testing.assert_array_equal(s.tokens_NT[1, :3], [11, 12, 0])
+    np.testing.assert_array_equal(s.mask_NT.sum(1), s.lengths_N)
+    assert s.mask_NT[0, 3] == 1 and s.mask_NT[0, 4] == 0, "mask must include the stop token"
+    assert int(s.step) == 9, "loop must exit once every row stopped"
+    assert int(s.cache.calls) == 9, "one prefill call plus one call per decoded step after it"
+    # The model was fed the prompt then each generated token (all but the last).
+    np.testing.assert_array_equal(s.cache.tokens_BS[2, :12], [7, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8, -1])
+    assert np.all(np.asarray(s.logprobs_NT)[np.asarray(s.mask_NT) == 0] == 0.0)
+
+
+def test_max_length_and_per_row_length():
+    """No eos: every row runs to its own cap (default T) and reports LENGTH."""
+    prompts = np.array([[1], [2], [3]])
+    s = run_loop(successor_table(), prompts, t=6, max_lengths=np.array([2, 6, 4]))
+    np.testing.assert_array_equal(s.lengths_N, [2, 6, 4])
+    np.testing.assert_array_equal(s.stop_reason_N, [StopReason.LENGTH] * 3)
+    np.testing.assert_array_equal(s.tokens_NT[0], [2, 3, 0, 0, 0, 0])
+    assert int(s.step) == 6
+
+
+def test_repetition_guard():
+    """Successor modulo 3 loops 0 1 2 0 1 2 ...: with blocks up to n=4 and k=3 repeats the tail
+    first is three copies of a 3-block after 9 tokens (6 = 3 * (3 - 1) matches of t[i] == t[i-3]).
+    Modulo 16 never repeats within T, so that row runs to length."""
+    prompts = np.array([[2], [2]])
+    looping = run_loop(successor_table(period=3), prompts[:1], t=16, rep_n=4, rep_k=3)
+    assert int(looping.lengths_N[0]) == 9
+    assert int(looping.stop_reason_N[0]) == StopReason.REPETITION
+    plain = run_loop(successor_table(), prompts[1:], t=16, rep_n=4, rep_k=3)
+    assert int(plain.stop_reason_N[0]) == StopReason.LENGTH and int(plain.lengths_N[0]) == 16
+    off = run_loop(successor_table(period=3), prompts[:1], t=16)
+    assert int(off.lengths_N[0]) == 16, "the guard is off by default"
+
+
+def test_groups_prefill_once_and_rows_grouped():
+    """G samples per prompt: rows b*G..b*G+G-1 continue prompt b; the prompt is fed once."""
+    prompts = np.array([[1, 2], [5, 6]])
+    s = run_loop(successor_table(), prompts, t=3, g=3)
+    np.testing.assert_array_equal(s.tokens_NT[:, 0], [3, 3, 3, 7, 7, 7])
+    np.testing.assert_array_equal(s.cache.tokens_BS[4, :4], [5, 6, 7, 8])
+    assert int(s.cache.calls) == 3
+
+
+def test_per_position_temperature_and_logprobs():
+    """Temperature 0 positions are greedy; logprobs are log_softmax(table[prev] / T_t)."""
+    table = jax.random.normal(jax.random.key(1), (V, V)) * 2.0
+    temp_T = jnp.array([0.0, 1.5, 0.0, 0.5, 0.7, 0.0])
+    prompts = np.arange(8)[:, None]
+    s = run_loop(table, prompts, t=6, temperature=temp_T, rng=3)
+    toks = np.asarray(s.tokens_NT)
+    prev = np.concatenate([prompts, toks[:, :-1]], axis=1)
+    logits = np.asarray(table)[prev]  # [N, T, V]
+    greedy_pos = np.asarray(temp_T) == 0
+    np.testing.assert_array_equal(toks[:, greedy_pos], logits.argmax(-1)[:, greedy_pos])
+    safe_t = np.where(greedy_pos, 1.0, np.asarray(temp_T))[None, :, None]
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits / safe_t), axis=-1))
+    ref_tok = np.take_along_axis(ref, toks[..., None], -1)[..., 0]
+    np.testing.assert_allclose(s.logprobs_NT, ref_tok, rtol=1e-5, atol=1e-5)
+    assert not np.all(toks[:, 1] == logits[:, 1].argmax(-1)), "T=1.5 should not be greedy"
+
+
+def _first_tokens(logits_V, n, **kw):
+    logits_NV = jnp.broadcast_to(logits_V, (n, logits_V.shape[0]))
+    temp = kw.pop("temperature", 1.0)
+    tok, lp = select(
+        jax.random.key(kw.pop("seed", 0)),
+        logits_NV,
+        jnp.full((n,), temp),
+        jnp.asarray(kw.pop("top_p", 1.0)),
+        jnp.asarray(kw.pop("min_p", 0.0)),
+        top_k=kw.pop("top_k", 0),
+    )
+    return np.asarray(tok), np.asarray(lp)
+
+
+def test_first_token_frequencies_chi_square():
+    """20k draws at T=0.7 match softmax(logits / T): chi-square p-value > 1e-3 (fixed seed)."""
+    logits = jax.random.normal(jax.random.key(0), (V,))
+    n, temp = 20000, 0.7
+    tok, _ = _first_tokens(logits, n, temperature=temp)
+    probs = np.asarray(jax.nn.softmax(logits / temp), np.float64)
+    probs /= probs.sum()
+    counts = np.bincount(tok, minlength=V)
+    _, pvalue = stats.chisquare(counts, probs * n)
+    assert pvalue > 1e-3, f"frequencies differ from softmax(logits/T): p={pvalue}"
+    # And the test can fail: T=1 frequencies are rejected against the T=0.7 distribution.
+    tok1, _ = _first_tokens(logits, n, temperature=1.0)
+    _, p_wrong = stats.chisquare(np.bincount(tok1, minlength=V), probs * n)
+    assert p_wrong < 1e-6
+
+
+def test_top_k1_is_greedy_and_top_p_stays_in_nucleus():
+    logits_NV = jax.random.normal(jax.random.key(2), (64, V)) * 2.0
+    n = logits_NV.shape[0]
+    tok, lp = select(
+        jax.random.key(5),
+        logits_NV,
+        jnp.full((n,), 1.3),
+        jnp.asarray(1.0),
+        jnp.asarray(0.0),
+        top_k=1,
+    )
+    np.testing.assert_array_equal(tok, np.asarray(logits_NV).argmax(-1))
+    ref = jax.nn.log_softmax(logits_NV / 1.3)[jnp.arange(n), tok]
+    np.testing.assert_allclose(lp, ref, rtol=1e-6, atol=1e-6)
+
+    top_p, temp = 0.6, 1.2
+    probs = np.asarray(jax.nn.softmax(logits_NV / temp))
+    order = np.argsort(-probs, axis=1)
+    sorted_p = np.take_along_axis(probs, order, 1)
+    seen_outside_top1 = False
+    for seed in range(20):
+        tok, _ = select(
+            jax.random.key(seed),
+            logits_NV,
+            jnp.full((n,), temp),
+            jnp.asarray(top_p),
+            jnp.asarray(0.0),
+            top_k=0,
+        )
+        tok = np.asarray(tok)
+        rank = np.argmax(order == tok[:, None], axis=1)
+        mass_before = np.take_along_axis(np.cumsum(sorted_p, 1) - sorted_p, rank[:, None], 1)
+        assert np.all(mass_before[:, 0] < top_p), "sampled a token outside the nucleus"
+        seen_outside_top1 |= bool(np.any(rank > 0))
+    assert seen_outside_top1, "top_p=0.6 should still sample beyond the argmax sometimes"
+
+
+def test_min_p_floor():
+    logits = jax.random.normal(jax.random.key(4), (V,)) * 2.0
+    tok, _ = _first_tokens(logits, 4000, temperature=1.0, min_p=0.2)
+    probs = np.asarray(jax.nn.softmax(logits))
+    assert np.all(probs[tok] >= 0.2 * probs.max() * (1 - 1e-6))
+    assert len(np.unique(tok)) > 1
+
+
+def test_schedules():
+    """Endpoints and midpoints derived from each formula; position multiplier applied."""
+    lin = sampling.linear(1.0, 0.5, steps=10)
+    np.testing.assert_allclose([lin(0), lin(5), lin(10), lin(20)], [1.0, 0.75, 0.5, 0.5])
+    cos = sampling.cosine(1.0, 0.0, steps=4)
+    np.testing.assert_allclose([cos(0), cos(2), cos(4)], [1.0, 0.5, 0.0], atol=1e-6)
+    exp = sampling.exponential(1.0, 0.25, steps=2)
+    np.testing.assert_allclose([exp(0), exp(1), exp(2)], [1.0, 0.5, 0.25], rtol=1e-6)
+    pw = sampling.piecewise([2, 4], [1.0, 0.8, 0.6])
+    np.testing.assert_allclose(pw(jnp.arange(6)), [1.0, 1.0, 0.8, 0.8, 0.6, 0.6])
+    np.testing.assert_allclose(sampling.constant(0.9)(3), 0.9)
+    temp_T = sampling.temperatures(5, 6, lin, position_schedule=pw)
+    np.testing.assert_allclose(temp_T, 0.75 * np.array([1.0, 1.0, 0.8, 0.8, 0.6, 0.6]), rtol=1e-6)
+    traced = jax.jit(lambda s: sampling.temperatures(s, 4, lin))(jnp.asarray(10))
+    np.testing.assert_allclose(traced, [0.5] * 4)
+    with pytest.raises(ValueError, match="unknown temperature schedule"):
+        sampling.make_schedule("warmup")
+    with pytest.raises(ValueError, match="len\\(values\\)"):
+        sampling.piecewise([1], [1.0])
