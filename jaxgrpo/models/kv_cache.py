@@ -1,0 +1,73 @@
+"""KVCache: the decoder's key/value cache as an explicit pytree (in and out of jit).
+
+Every row writes at the same slot (`index`), which is what left padding buys: prompts are
+left-padded to a common length P, so prefill fills slots [0, P) for all rows and each decode
+step fills slot `index` with one `dynamic_update_slice`. Rows differ only in which slots are
+valid (`mask`) and in their next position id (`next_pos`).
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax.numpy as jnp
+
+from jaxgrpo.models.config import ModelConfig
+from jaxgrpo.types import Array
+
+CACHE_AXES = ("layers", "act_batch", "act_kv_length", "act_kv_heads", "act_head_dim")
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Stacked per-layer keys and values.
+
+    Attributes:
+        k: keys [L, B, S, K, H], RoPE already applied.
+        v: values [L, B, S, K, H].
+        mask: [B, S] bool, True at slots holding a real (non-pad) token.
+        next_pos: [B] int32, the position id the next real token of each row will get.
+        index: int32 scalar, the next slot to write (shared by all rows).
+    """
+
+    k: Array
+    v: Array
+    mask: Array
+    next_pos: Array
+    index: Array
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def repeat(self, group: int) -> KVCache:
+        """Repeats each row `group` times: row b becomes rows b*G .. b*G+G-1.
+
+        Used after a shared prompt prefill to decode G samples per prompt.
+        """
+        return KVCache(
+            k=jnp.repeat(self.k, group, axis=1),
+            v=jnp.repeat(self.v, group, axis=1),
+            mask=jnp.repeat(self.mask, group, axis=0),
+            next_pos=jnp.repeat(self.next_pos, group, axis=0),
+            index=self.index,
+        )
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache for `batch` rows and `max_len` slots.
+
+    Args:
+        cfg: the model config (L, K, H).
+        batch: B.
+        max_len: S, at least prompt length + new tokens.
+        dtype: storage dtype of k and v; defaults to the model's compute dtype.
+    """
+    dtype = jnp.dtype(dtype or cfg.dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        mask=jnp.zeros((batch, max_len), jnp.bool_),
+        next_pos=jnp.zeros((batch,), jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )

@@ -1,0 +1,209 @@
+"""Building blocks of the decoder: projections with logical axes, RMSNorm, RoPE, attention.
+
+Every parameter is an `nnx.Param` whose `logical_axes` metadata names each dimension from the
+vocabulary in `jaxgrpo.sharding` (embed, heads, kv_heads, head_dim, mlp, vocab, layers,
+lora_rank). We keep our own metadata key rather than flax's `out_sharding`: flax shards such
+variables eagerly against a global mesh, and jaxgrpo passes its mesh explicitly instead.
+
+Parameters may carry leading "stack" dimensions (the L axis of the scanned decoder); the modules
+are written for one layer and are called on per-layer slices inside `jax.lax.scan`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.lora import LoRA
+from jaxgrpo.types import Array
+
+# Finite instead of -inf so a query row with no visible key (a left-pad position) gives uniform
+# attention (finite garbage) rather than NaN, which would poison gradients through the mask.
+_MASK_VALUE = -1e30
+
+
+def dtype_of(name: str) -> jnp.dtype:
+    return jnp.dtype(name)
+
+
+class Einsum(nnx.Module):
+    """A projection `y[..., *out] = sum_in x[..., *in] W[*in, *out] (+ b) (+ LoRA)`.
+
+    Args:
+        in_shape / out_shape: contracted and produced dims (e.g. (D,) -> (N, H)).
+        in_axes / out_axes: their logical names.
+        stack: leading dims of the stored weights (e.g. (L,)), named "layers".
+        bias: add a bias of shape out_shape.
+        lora: adapter settings, or None for no adapter.
+    """
+
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        out_shape: tuple[int, ...],
+        in_axes: tuple[str, ...],
+        out_axes: tuple[str, ...],
+        *,
+        stack: tuple[int, ...] = (),
+        bias: bool = False,
+        lora: LoRAConfig | None = None,
+        param_dtype: str = "float32",
+        dtype: str = "float32",
+        rngs: nnx.Rngs,
+    ):
+        stack_axes = ("layers",) * len(stack)
+        fan_in = math.prod(in_shape)
+        w = jax.random.normal(rngs.params(), (*stack, *in_shape, *out_shape), jnp.float32)
+        self.kernel = nnx.Param(
+            (w / math.sqrt(fan_in)).astype(param_dtype),
+            logical_axes=(*stack_axes, *in_axes, *out_axes),
+        )
+        self.bias = (
+            nnx.Param(
+                jnp.zeros((*stack, *out_shape), param_dtype),
+                logical_axes=(*stack_axes, *out_axes),
+            )
+            if bias
+            else None
+        )
+        self.lora = (
+            LoRA(
+                in_shape,
+                out_shape,
+                in_axes,
+                out_axes,
+                lora,
+                stack=stack,
+                param_dtype=param_dtype,
+                rngs=rngs,
+            )
+            if lora is not None
+            else None
+        )
+        self.n_in = len(in_shape)
+        self.dtype = dtype
+
+    def __call__(self, x: Array) -> Array:
+        x = x.astype(self.dtype)
+        y = jnp.tensordot(x, self.kernel[...].astype(self.dtype), axes=self.n_in)
+        if self.bias is not None:
+            y = y + _lead(self.bias[...].astype(self.dtype), y.ndim)
+        if self.lora is not None:
+            y = y + self.lora(x)
+        return y
+
+    def merge_lora(self) -> None:
+        """Folds the adapter into `kernel` and zeroes its B (see `jaxgrpo.models.lora.merge`)."""
+        if self.lora is not None:
+            delta = self.lora.delta_kernel()
+            self.kernel[...] = (self.kernel[...] + delta).astype(self.kernel[...].dtype)
+            self.lora.zero()
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis, computed in float32 (as transformers does).
+
+    Args:
+        dim: size of the normalised axis.
+        axis_name: its logical name ("embed" or "head_dim").
+        stack: leading dims of the stored scale.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        axis_name: str,
+        eps: float,
+        *,
+        stack: tuple[int, ...] = (),
+        param_dtype: str = "float32",
+    ):
+        self.scale = nnx.Param(
+            jnp.ones((*stack, dim), param_dtype),
+            logical_axes=(*("layers",) * len(stack), axis_name),
+        )
+        self.eps = eps
+
+    def __call__(self, x: Array) -> Array:
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+def rms_norm(x: Array, scale: Array, eps: float) -> Array:
+    """`x / rms(x) * scale` along the last axis; float32 inside, x's dtype out."""
+    x32 = x.astype(jnp.float32)
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+    return (x32 * jax.lax.rsqrt(var + eps) * _lead(scale.astype(jnp.float32), x.ndim)).astype(
+        x.dtype
+    )
+
+
+def _lead(w: Array, ndim: int) -> Array:
+    """Adds leading unit dims so w broadcasts explicitly against an ndim-rank array."""
+    return w.reshape((1,) * (ndim - w.ndim) + w.shape)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [H/2] (float64 numpy, static), with llama3 scaling when configured."""
+    h = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, h, 2, dtype=np.float64) / h))
+    if not cfg.rope_scaling:
+        return inv
+    p = dict(cfg.rope_scaling)
+    factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
+    old_ctx = p["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv
+    scaled = np.where(wavelen > old_ctx / low, inv / factor, inv)
+    # Between the two wavelength cut-offs, interpolate smoothly between scaled and unscaled.
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return np.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(positions_BT: Array, inv_freq: np.ndarray) -> tuple[Array, Array]:
+    """cos and sin tables [B, T, 1, H/2] (float32) for integer positions [B, T]."""
+    angles_BTh = positions_BT.astype(jnp.float32)[:, :, None] * jnp.asarray(
+        inv_freq, jnp.float32
+    ).reshape(1, 1, -1)
+    return jnp.cos(angles_BTh)[:, :, None, :], jnp.sin(angles_BTh)[:, :, None, :]
+
+
+def apply_rope(x_BTNH: Array, cos: Array, sin: Array) -> Array:
+    """Rotates the two halves of the head dim (the transformers "rotate_half" layout)."""
+    half = x_BTNH.shape[-1] // 2
+    x32 = x_BTNH.astype(jnp.float32)
+    x1, x2 = x32[..., :half], x32[..., half:]
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTNH.dtype)
+
+
+def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, mask_BTS: Array) -> Array:
+    """Grouped-query softmax attention; scores and softmax in float32.
+
+    Args:
+        q_BTNH: queries, N = K * M (M query heads share each kv head).
+        k_BSKH / v_BSKH: keys and values.
+        mask_BTS: True where query t may attend key s.
+
+    Returns:
+        [B, T, N, H] in q's dtype.
+    """
+    b, t, n, h = q_BTNH.shape
+    k = k_BSKH.shape[2]
+    q_BTKMH = q_BTNH.reshape(b, t, k, n // k, h)
+    scores = jnp.einsum(
+        "BTKMH,BSKH->BKMTS",
+        q_BTKMH,
+        k_BSKH.astype(q_BTNH.dtype),
+        preferred_element_type=jnp.float32,
+    ) * (1.0 / math.sqrt(h))
+    mask = mask_BTS[:, None, None, :, :]
+    scores = jnp.where(mask, scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q_BTNH.dtype)
+    out = jnp.einsum("BKMTS,BSKH->BTKMH", probs, v_BSKH.astype(q_BTNH.dtype))
+    return out.reshape(b, t, n, h)

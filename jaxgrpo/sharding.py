@@ -1,0 +1,214 @@
+"""Meshes, logical-axis rules, activation constraints and multi-host initialisation.
+
+Parameters carry logical axis names (`logical_axes` metadata, see `jaxgrpo.models.layers`);
+activations name theirs at `shard_act` call sites. A short rule table maps each logical name to
+mesh axes. Weights and activations use separate names (`embed` vs `act_embed`) because a
+dimension shards differently on a weight (embed -> fsdp) than on an activation, where the batch
+already uses fsdp. The mesh and rules travel explicitly in a `ShardingCtx`; there is no global
+or thread-local mesh.
+
+Mesh axes: data (pure data parallel), fsdp (data parallel + weight sharding), tensor (heads,
+mlp and vocab split across devices).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
+
+# Training: weights sharded over fsdp (embed) and tensor (heads/mlp/vocab); batch over data+fsdp.
+TRAIN_RULES: Rules = (
+    ("layers", None),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("lora_rank", None),
+    ("act_batch", ("data", "fsdp")),
+    ("act_length", None),
+    ("act_kv_length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_head_dim", None),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
+)
+
+# Sampling: weights replicated over fsdp (no all-gather per decode step), tensor-parallel only.
+SAMPLE_RULES: Rules = tuple((k, None) if k == "embed" else (k, v) for k, v in TRAIN_RULES)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingCtx:
+    """An explicit (mesh, rules) pair passed to `shard_act` and to the model."""
+
+    mesh: Mesh
+    rules: Rules = TRAIN_RULES
+
+
+def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
+    """A mesh over (data, fsdp, tensor).
+
+    Args:
+        shape: axis -> size; missing axes get 1, one axis may be -1 to take the remaining devices.
+            Default: everything on fsdp.
+        devices: defaults to `jax.devices()`.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    shape = dict(shape or {"fsdp": -1})
+    unknown = set(shape) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"Unknown mesh axes {sorted(unknown)}; use {MESH_AXES}.")
+    sizes = [shape.get(a, 1) for a in MESH_AXES]
+    if sizes.count(-1) > 1:
+        raise ValueError(f"At most one mesh axis may be -1, got {shape}.")
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+        if len(devices) % known:
+            raise ValueError(f"{len(devices)} devices do not divide into mesh {shape}.")
+        sizes[sizes.index(-1)] = len(devices) // known
+    if math.prod(sizes) != len(devices):
+        raise ValueError(
+            f"Mesh {dict(zip(MESH_AXES, sizes, strict=True))} needs {math.prod(sizes)} devices, "
+            f"have {len(devices)}."
+        )
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(sizes, devices)
+    except (ValueError, NotImplementedError, AssertionError):
+        grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(grid, MESH_AXES)
+
+
+def logical_to_spec(
+    names: tuple[str | None, ...],
+    rules: Rules,
+    shape: tuple[int, ...] | None = None,
+    mesh: Mesh | None = None,
+) -> PartitionSpec:
+    """Maps logical axis names to a PartitionSpec.
+
+    Args:
+        names: one logical name per dimension (None = replicated).
+        rules: the rule table.
+        shape / mesh: when given, a mesh axis that does not divide its dimension (e.g. 3 kv
+            heads over tensor=2) is dropped, replicating that dimension instead of failing.
+
+    Raises:
+        ValueError: a name has no rule (the message names it).
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"No sharding rule for logical axis {name!r}; rules: {sorted(table)}.")
+        axes = table[name]
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        axes = tuple(a for a in axes if a not in used)  # a mesh axis may appear only once
+        if shape is not None and mesh is not None:
+            axes = tuple(a for a in axes if mesh.shape[a] > 1)
+            if axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
+                axes = ()
+        used.update(axes)
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def shard_act(x: jax.Array, names: tuple[str | None, ...], ctx: ShardingCtx | None) -> jax.Array:
+    """Constrains an activation's sharding by logical names; `ctx=None` leaves x untouched."""
+    if ctx is None:
+        return x
+    spec = logical_to_spec(names, ctx.rules, x.shape, ctx.mesh)
+    return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def param_specs(state, rules: Rules, mesh: Mesh | None = None):
+    """PartitionSpecs (as Variable values) for a state whose Variables have `logical_axes`."""
+
+    def spec(v):
+        names = v.get_metadata("logical_axes") if v.has_metadata("logical_axes") else None
+        value = v.get_value()
+        if names is None:
+            return v.replace(PartitionSpec())
+        return v.replace(logical_to_spec(names, rules, tuple(value.shape), mesh))
+
+    return jax.tree.map(spec, state, is_leaf=_is_var)
+
+
+def param_shardings(abstract_state, mesh: Mesh, rules: Rules):
+    """NamedShardings matching `abstract_state` (real or `nnx.eval_shape` state)."""
+    specs = param_specs(abstract_state, rules, mesh)
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
+
+
+def create_sharded_model(cfg, mesh: Mesh, rules: Rules = TRAIN_RULES, rngs_seed: int = 0):
+    """A Transformer whose parameters are created directly in their sharded layout.
+
+    The model is traced abstractly (`nnx.eval_shape`), its shardings are derived from the
+    logical axes, and the initialiser runs under jit with those `out_shardings`, so no host
+    ever holds the full set of weights. The returned model also carries the ShardingCtx so its
+    activations are constrained with the same mesh and rules.
+    """
+    from jaxgrpo.models.transformer import Transformer
+
+    def build():
+        return Transformer(cfg, rngs=nnx.Rngs(rngs_seed))
+
+    graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+    shardings = param_shardings(abstract_state, mesh, rules)
+    state = jax.jit(lambda: nnx.state(build()), out_shardings=shardings)()
+    model = nnx.merge(graphdef, state)
+    model.shard_ctx = ShardingCtx(mesh, rules)
+    return model
+
+
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """Starts JAX's multi-controller runtime when more than one process is requested.
+
+    Arguments default to the env vars JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID. With a single process (the default) this is a no-op. On TPU pods, pass
+    num_processes=-1 to let JAX discover the topology itself.
+
+    Returns:
+        True if `jax.distributed.initialize` was called.
+    """
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if num_processes == -1:
+        jax.distributed.initialize()
+        return True
+    if not num_processes or num_processes <= 1:
+        return False
+    logging.info("jax.distributed.initialize(%s, %d, %s)", coordinator, num_processes, process_id)
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+    return True
