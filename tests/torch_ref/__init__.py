@@ -1,0 +1,1 @@
+"""Independent PyTorch reference implementations used by the tests (never by jaxgrpo)."""
