@@ -276,8 +276,9 @@ def code_tests(
         code = extract_code(completion if isinstance(completion, str) else str(completion))
         if code is None:
             return 0.0
-        passed = run_tests(code, sample_tests, sample_setup or "", timeout=timeout,
-                           memory_mb=memory_mb)  # fmt: skip
+        passed = run_tests(
+            code, sample_tests, sample_setup or "", timeout=timeout, memory_mb=memory_mb
+        )
         return sum(passed) / len(passed)
 
     jobs = list(zip(completions, tests, setups, strict=True))

@@ -22,6 +22,7 @@ from jaxgrpo.rewards.bleu import bleu
 from jaxgrpo.rewards.math import exact_answer
 
 RewardFn = Callable[..., list]
+_LOG = logging.getLogger(__name__)
 CURRICULUM_KINDS = ("constant", "linear", "step", "cosine")
 
 
@@ -245,9 +246,14 @@ class RewardSet:
         if failed and not term.reported:
             term.reported = True
             i, error = failed[0]
-            logging.warning(
+            _LOG.warning(
                 "reward function %r raised on %d of %d samples; they score None (further "
                 "failures are only counted in error_counts). Sample %d, error %r, completion %r",
-                term.name, len(failed), len(completions), i, error, str(completions[i])[:500],
-            )  # fmt: skip
+                term.name,
+                len(failed),
+                len(completions),
+                i,
+                error,
+                str(completions[i])[:500],
+            )
         return values

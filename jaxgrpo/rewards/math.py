@@ -17,7 +17,9 @@ _ANSWER_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
 _NUMBER_RE = re.compile(
     r"(?<![\d.])-?(?:\d+(?:\.\d+)?|\.\d+)(?:[eE][-+]?\d+)?(?:\s*/\s*-?\d+(?:\.\d+)?)?(?!\d)"
 )
-_FRAC_RE = re.compile(r"\\[dt]?frac\s*\{\s*(-?[\d.]+)\s*\}\s*\{\s*(-?[\d.]+)\s*\}")
+_FRAC_SHORT_RE = re.compile(
+    r"\\[dt]?frac\s*(?:(\d)|\{\s*(-?[\d.]+)\s*\})\s*(?:(\d)|\{\s*(-?[\d.]+)\s*\})"
+)
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
 _CURRENCY = "$€£¥₹¢"
 _DASHES = {"\u2212": "-", "\u2013": "-", "\u2014": "-", "\u2012": "-", "\ufe63": "-"}
@@ -99,7 +101,7 @@ def parse_number(text: str | None) -> Fraction | None:
         return None
     boxed = last_boxed(text)
     text = _ascii_digits(boxed if boxed is not None else text)
-    text = _FRAC_RE.sub(r"\1/\2", text)
+    text = _FRAC_SHORT_RE.sub(lambda m: f"{m[1] or m[2]}/{m[3] or m[4]}", text)
     text = _THOUSANDS_RE.sub("", text)
     text = text.replace("\\!", "").replace("\\,", "").replace("\\$", "").replace("\\%", "%")
     for symbol in _CURRENCY:
