@@ -382,12 +382,13 @@ def _check_rl(cfg: ConfigDict) -> None:
         _require(r.ref_reset_every > 0, "rl.ref_reset_optimizer", msg, True)
     batch = r.prompts_per_step * r.group_size
     split = r.num_minibatches * r.grad_accum
+    key = "rl.grad_accum" if r.grad_accum > 1 else "rl.num_minibatches"
     _require(
         batch % split == 0,
-        "rl.num_minibatches",
+        key,
         f"num_minibatches * grad_accum = {split} must divide the batch "
         f"prompts_per_step * group_size = {batch}",
-        r.num_minibatches,
+        r[key[3:]],
     )
 
 

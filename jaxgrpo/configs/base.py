@@ -42,7 +42,7 @@ def _sampling() -> ConfigDict:
     c = ConfigDict()
     c.max_new_tokens = 64  # completion length T (a completion that reaches it is "truncated")
     c.temperature = 1.0  # sampling temperature at step 0 (0 = greedy)
-    c.temperature_schedule = ConfigDict()
+    c.temperature_schedule = ConfigDict()  # temperature as a function of the training step
     c.temperature_schedule.kind = "constant"  # "constant", "linear", "cosine" or "exponential"
     c.temperature_schedule.end = 1.0  # temperature reached at the end of the schedule
     c.temperature_schedule.steps = 0  # schedule length in training steps; 0 = run length (steps)
@@ -125,13 +125,13 @@ def get_config() -> ConfigDict:
     c.seed = 0  # seeds parameters (random models / LoRA), sampling and data order
     c.steps = 100  # training steps (each: sample, score, update)
     c.resume = True  # continue from run_dir's latest checkpoint if any; False = fail if one exists
-    c.model = _model()
-    c.task = _task()
-    c.rewards = _rewards()
-    c.sampling = _sampling()
-    c.rl = _rl()
-    c.optim = _optim()
-    c.mesh = _mesh()
-    c.checkpoint = _checkpoint()
-    c.logging = _logging()
+    c.model = _model()  # which model and adapters
+    c.task = _task()  # prompts and held-out set
+    c.rewards = _rewards()  # reward functions and weights
+    c.sampling = _sampling()  # the sampler's knobs
+    c.rl = _rl()  # objective and batch layout
+    c.optim = _optim()  # AdamW and its schedule
+    c.mesh = _mesh()  # device mesh and hosts
+    c.checkpoint = _checkpoint()  # orbax checkpoints
+    c.logging = _logging()  # metrics, samples, progress
     return c

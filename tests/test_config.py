@@ -1,0 +1,104 @@
+"""Config schema, shipped configs, validation errors that name the key, frozen dataclasses."""
+
+import dataclasses
+import json
+import re
+
+import pytest
+from ml_collections import ConfigDict
+
+from jaxgrpo import config as config_lib
+from jaxgrpo.config import ConfigError, load_config, shipped_configs, to_train_config
+from jaxgrpo.configs import base
+
+
+@pytest.mark.parametrize("name", shipped_configs())
+def test_every_shipped_config_validates(name):
+    cfg = load_config(name)
+    assert isinstance(cfg, config_lib.TrainConfig)
+    assert json.loads(json.dumps(cfg.to_dict()))["run_dir"] == cfg.run_dir
+
+
+def test_expected_configs_ship_and_every_base_field_has_a_comment():
+    expected = {"base", "format_copy", "tiny", "gsm8k_hard", "gsm8k_perplexity", "gsm8k_embedding"}
+    expected |= {"gsm8k_embedding_bleu", "gsm8k_hard_soft", "gsm8k_curriculum", "sonnets"}
+    assert expected <= set(shipped_configs())
+    with open(base.__file__, encoding="utf-8") as f:
+        lines = f.read().splitlines()
+    fields = [i for i, line in enumerate(lines) if re.match(r"\s+c\.[a-z_.]+ = ", line)]
+    assert len(fields) >= 60
+    for i in fields:
+        commented = "  # " in lines[i] or lines[i - 1].strip().startswith("#")
+        assert commented, f"base.py line {i + 1} has no comment: {lines[i].strip()}"
+
+
+BAD_OVERRIDES = [
+    ({"rl.eps_low": -0.1}, "rl.eps_low"),
+    ({"rl.group_size": 1}, "rl.group_size"),
+    ({"rl.num_minibatches": 3}, "rl.num_minibatches"),
+    ({"rl.grad_accum": 4}, "rl.prompts_per_step"),  # micro-batch of 2 over 4 data shards
+    ({"rl.grad_accum": 16}, "rl.grad_accum"),  # 16 micro-batches of an 8-sequence batch
+    ({"rl.kl_in_reward": True, "rl.beta": 0.0}, "rl.kl_in_reward"),
+    ({"rl.ref_reset_optimizer": True}, "rl.ref_reset_optimizer"),
+    ({"rl.loss_type": "ppo"}, "rl.loss_type"),
+    ({"sampling.top_p": 0.0}, "sampling.top_p"),
+    ({"sampling.temperature_schedule.kind": "zigzag"}, "sampling.temperature_schedule.kind"),
+    ({"sampling.repetition_guard": (3, 1)}, "sampling.repetition_guard"),
+    ({"model.lora_targets": ("q", "qkv")}, "model.lora_targets"),
+    ({"model.dtype": "float16"}, "model.dtype"),
+    ({"optim.schedule": "linear"}, "optim.schedule"),
+    ({"optim.lr": 0.0}, "optim.lr"),
+    ({"mesh.data": -1, "mesh.fsdp": -1}, "mesh.fsdp"),
+    ({"mesh.data": 3}, "rl.prompts_per_step"),
+    ({"rewards.functions": (("no_such_reward", 1.0),)}, "rewards.functions[0]"),
+    ({"rewards.functions": (("bleu", {"kind": "linear", "end_step": 0}),)}, "rewards.functions"),
+    ({"rewards.reward_on_error": "ignore"}, "rewards.reward_on_error"),
+    ({"checkpoint.keep": 0}, "checkpoint.keep"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "key"), BAD_OVERRIDES)
+def test_bad_values_name_the_key(overrides, key):
+    overrides = {"mesh.data": 4, **overrides}
+    with pytest.raises(ConfigError, match=re.escape(f"config key '{key}")):
+        load_config("tiny", overrides)
+
+
+def test_unknown_keys_and_wrong_types_in_a_config_file():
+    cfg = base.get_config()  # unlocked, as inside a config file's get_config()
+    cfg.rl.bta = 0.1
+    with pytest.raises(ConfigError, match=r"unknown config key 'rl.bta' \(did you mean 'beta'\?\)"):
+        to_train_config(cfg)
+    cfg = base.get_config()
+    cfg.optim.lr = None  # ConfigDict lets None through; the schema does not
+    with pytest.raises(ConfigError, match="config key 'optim.lr' must be float, got None"):
+        to_train_config(cfg)
+    cfg = base.get_config()
+    cfg.extra = ConfigDict({"a": 1})
+    with pytest.raises(ConfigError, match="unknown config key 'extra'"):
+        to_train_config(cfg)
+    with pytest.raises(ConfigError, match="unknown config key 'sampling.top_q'"):
+        load_config("tiny", {"sampling.top_q": 0.9})
+    with pytest.raises(ConfigError, match="'rl.beta'"):
+        load_config("tiny", {"rl.beta": "high"})
+
+
+def test_mesh_fits_devices():
+    cfg = load_config("tiny", {"mesh.data": -1, "mesh.tensor": 2})
+    assert config_lib.resolve_mesh_shape(cfg, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
+    with pytest.raises(ConfigError, match="config key 'mesh'"):
+        config_lib.resolve_mesh_shape(load_config("tiny", {"mesh.tensor": 3}), 8)
+    with pytest.raises(ConfigError, match="divisible by mesh data \\* fsdp = 16"):
+        config_lib.resolve_mesh_shape(cfg, 32)
+
+
+def test_train_config_is_frozen_and_typed():
+    cfg = load_config("gsm8k_curriculum", {"rl.grad_accum": 2, "optim.lr": 1})
+    assert cfg.rl.batch_size == 128 and cfg.rl.microbatch_size == 64
+    assert isinstance(cfg.optim.lr, float) and cfg.optim.lr == 1.0
+    assert cfg.model.lora_targets == ("q", "k", "v", "o", "gate", "up", "down")
+    assert cfg.rewards.functions[1][0] == "exact_answer"
+    assert cfg.rewards.functions[1][1]["end_step"] == 100
+    assert cfg.mesh.shape() == {"data": 1, "fsdp": -1, "tensor": 1}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rl.beta = 0.0
