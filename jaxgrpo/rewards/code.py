@@ -7,15 +7,19 @@ these layers (each one alone stops some attack; together they stop the test suit
    --fork --kill-child`` (plus ``--map-root-user`` when not root) gives the child no network
    interface but a down loopback, and a PID namespace whose processes all die with it.
 2. **Resource limits**, soft = hard so they cannot be raised again: ``RLIMIT_AS`` (memory),
-   ``RLIMIT_CPU``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``. The
-   trusted runner sets them on itself as its first act, before reading a byte of generated
-   code, instead of in a ``preexec_fn``: ``preexec_fn`` runs Python between fork and exec,
-   which can deadlock when the parent has threads, and the trainer always has (XLA).
+   ``RLIMIT_CPU``, ``RLIMIT_NPROC``, ``RLIMIT_FSIZE``, ``RLIMIT_NOFILE``, ``RLIMIT_CORE = 0``.
+   The trusted runner (``sandbox_runner.py``) sets them on itself as its first act, before it
+   compiles a byte of generated code, instead of in a ``preexec_fn``: ``preexec_fn`` runs
+   Python between fork and exec, which can deadlock when the parent has threads, and the
+   trainer always has (XLA). The kernel does not apply ``RLIMIT_NPROC`` to root; there the PID
+   namespace and the audit hook stop fork bombs.
 3. **Audit hook** (``sys.addaudithook``, irremovable): refuses process creation (fork, exec,
    spawn, system, Popen), signals, sockets, ``ctypes``, heap walking (``gc.get_objects``) and
-   any write (open for writing, remove, rename, mkdir, chmod, ...) outside the working directory.
-   This is also the no-network layer where namespaces are unavailable. It is a Python-level
-   guard, not a proof against a determined in-process attacker; layers 1, 2 and 4 are OS-level.
+   any write (open for writing, remove, rename, mkdir, chmod, ...) that resolves outside the
+   working directory (symlinks, ``dir_fd`` and fd arguments included). It is also the
+   no-network layer where namespaces are unavailable. It is a Python-level guard, not a proof
+   against a determined in-process attacker (frame introspection can reach the runner's
+   state); layers 1, 2 and 4 are OS-level.
 4. **Process hygiene**: a fresh temporary working directory removed afterwards, an environment
    scrubbed to ``PATH``/``HOME``/``LANG``, stdin closed after the spec is read, stdout/stderr of
    the code discarded, a wall-clock timeout after which the whole process group is SIGKILLed.
@@ -38,96 +42,9 @@ import subprocess
 import sys
 import tempfile
 
+from jaxgrpo.rewards import sandbox_runner
+
 _CODE_BLOCK_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
-
-_RUNNER = r"""
-import json, os, resource, sys
-
-def _main():
-    spec = json.loads(sys.stdin.read())
-    os.close(0)
-    nonce = spec["nonce"]
-    out = os.fdopen(os.dup(1), "w", buffering=1)
-    null = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, 1)
-    os.dup2(null, 2)
-    for name, value in spec["limits"].items():
-        resource.setrlimit(getattr(resource, name), (value, value))
-    root = os.path.realpath(os.getcwd()) + os.sep
-    blocked = frozenset(spec["blocked_events"])
-    writes = {k: tuple(map(tuple, v)) for k, v in spec["write_events"].items()}
-    modules = frozenset(spec["blocked_modules"])
-    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-    realpath, fspath = os.path.realpath, os.fspath
-
-    def inside(path):
-        if isinstance(path, int):
-            return False
-        path = fspath(path)
-        path = path.decode() if isinstance(path, bytes) else path
-        return (realpath(path) + os.sep).startswith(root)
-
-    def hook(event, args):
-        if event in blocked or event.startswith("ctypes."):
-            raise PermissionError("sandbox: " + event + " is not allowed")
-        if event == "import" and args[0].split(".")[0] in modules:
-            raise PermissionError("sandbox: import " + args[0] + " is not allowed")
-        if event == "open":
-            path, mode, flags = args
-            wants_write = (mode is not None and any(c in mode for c in "wax+")) or (
-                mode is None and flags & write_flags)
-            # os.open (mode None) may carry a dir_fd the event does not show: no writes via it.
-            if wants_write and (mode is None or not (isinstance(path, int) or inside(path))):
-                raise PermissionError("sandbox: writing outside the working directory")
-        elif event in writes:
-            path_at, dir_fd_at = writes[event]
-            if any(args[i] not in (None, -1) for i in dir_fd_at if i < len(args)) or not all(
-                inside(args[i]) for i in path_at
-            ):
-                raise PermissionError("sandbox: " + event + " outside the working directory")
-
-    code, setup, tests = spec["code"], spec["setup"], spec["tests"]
-    del spec
-    # Results are built from values bound here, so patching builtins or json cannot forge them.
-    write, lines = out.write, [nonce + " " + str(i) + " " for i in range(len(tests))]
-    sys.addaudithook(hook)
-    namespace = {"__name__": "__main__"}
-    try:
-        exec(compile(setup + "\n" + code, "<solution>", "exec"), namespace)
-        loaded = True
-    except BaseException:
-        loaded = False
-    for i, test in enumerate(tests):
-        ok = False
-        if loaded:
-            try:
-                exec(compile(test, "<test>", "exec"), namespace)
-                ok = True
-            except BaseException:
-                ok = False
-        write(lines[i] + ("1" if ok is True else "0") + "\n")
-    os._exit(0)
-
-_main()
-"""
-
-_BLOCKED_EVENTS = (
-    "os.fork", "os.forkpty", "os.exec", "os.spawn", "os.posix_spawn", "os.system",
-    "subprocess.Popen", "os.kill", "os.killpg", "signal.pthread_kill", "socket.__new__",
-    "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto", "gc.get_objects",
-    "gc.get_referrers", "gc.get_referents", "resource.setrlimit", "resource.prlimit",
-    "os.chdir", "os.chroot", "sys.setprofile", "sys.settrace", "mmap.__new__",
-)  # fmt: skip
-# event -> (indices of the written paths, indices of dir_fd arguments) in the audit args.
-_WRITE_EVENTS = {
-    "os.remove": ((0,), (1,)), "os.rmdir": ((0,), (1,)), "os.mkdir": ((0,), (2,)),
-    "os.rename": ((0, 1), (2, 3)), "os.link": ((0, 1), (2, 3)), "os.symlink": ((1,), (2,)),
-    "os.chmod": ((0,), (2,)), "os.chown": ((0,), (3,)), "os.utime": ((0,), (3,)),
-    "os.truncate": ((0,), ()), "os.mkfifo": ((0,), (2,)), "os.mknod": ((0,), (3,)),
-    "os.chflags": ((0,), ()), "os.setxattr": ((0,), ()), "os.removexattr": ((0,), ()),
-    "shutil.rmtree": ((0,), (1,)), "shutil.move": ((0, 1), ()), "shutil.copyfile": ((1,), ()),
-}  # fmt: skip
-_BLOCKED_MODULES = ("ctypes", "_ctypes", "_posixsubprocess", "cffi", "_multiprocessing")
 
 
 def extract_code(completion: str) -> str | None:
@@ -192,9 +109,6 @@ def run_tests(
         "code": code,
         "setup": setup or "",
         "tests": list(tests),
-        "blocked_events": _BLOCKED_EVENTS,
-        "write_events": _WRITE_EVENTS,
-        "blocked_modules": _BLOCKED_MODULES,
         "limits": {
             "RLIMIT_AS": memory_mb * 2**20,
             "RLIMIT_CPU": int(timeout) + 2,
@@ -208,7 +122,7 @@ def run_tests(
         work = os.path.join(root, "work")
         os.mkdir(work)
         env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
-        command = [*namespace_prefix(), sys.executable, "-I", "-S", "-c", _RUNNER]
+        command = [*namespace_prefix(), sys.executable, "-I", "-S", sandbox_runner.__file__]
         with open(os.path.join(root, "results"), "w+b") as results:
             proc = subprocess.Popen(
                 command,

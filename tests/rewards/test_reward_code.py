@@ -76,13 +76,22 @@ def test_writing_outside_its_directory_scores_zero(tmp_path):
         f"import pathlib\npathlib.Path({str(target)!r}).write_text('x')",
         "open('../escaped.txt', 'w').write('x')",
         "import os\nos.symlink('/tmp', 'link')\nopen('link/escaped.txt', 'w').write('x')",
+        # A directory fd would let dir_fd-relative calls escape where the audit path looks local.
+        f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+        "os.close(os.open('escaped.txt', os.O_CREAT | os.O_WRONLY, dir_fd=fd))",
+        f"import os\nos.mkdir({str(tmp_path / 'escaped.txt')!r})",
     ]
     for code in attempts:
         assert _reward(code) == 0.0, code
     assert not target.exists()
     # Writing inside its own directory is allowed, and the directory is removed afterwards.
     inside = "open('a.txt', 'w').write('x')\nimport os\nos.mkdir('d')\nos.rename('a.txt', 'd/b')"
-    assert _reward(inside, ["assert open('d/b').read() == 'x'"], tmp_root=None) == 1.0
+    checks = [
+        "assert open('d/b').read() == 'x'",
+        "import shutil\nshutil.rmtree('d')\nassert not os.path.exists('d')",
+        "import tempfile\nwith tempfile.TemporaryFile() as f:\n    f.write(b'x')",
+    ]
+    assert _reward(inside, checks) == 1.0
     before = set(os.listdir(tmp_path))
     run_tests(inside, ["assert True"], timeout=TIMEOUT, tmp_root=str(tmp_path))
     assert set(os.listdir(tmp_path)) == before, "sandbox directory was not removed"
