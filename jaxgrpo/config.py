@@ -10,21 +10,16 @@ CLI boundary sees a ConfigDict.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
-import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 from ml_collections import ConfigDict
 
+from jaxgrpo.config_checks import ConfigError, check_mesh, unknown_key_error, validate
+
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-
-
-class ConfigError(ValueError):
-    """A config problem, with the offending key in the message."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -247,178 +242,15 @@ def load_config(name: str, overrides: Mapping[str, Any] | None = None) -> TrainC
         parent = cfg
         for part in filter(None, node.split(".")):
             if part not in parent:
-                _unknown_key(key, parent, part)
+                raise unknown_key_error(key, parent, part)
             parent = parent[part]
         if leaf not in parent:
-            _unknown_key(key, parent, leaf)
+            raise unknown_key_error(key, parent, leaf)
         try:
             parent[leaf] = value
         except TypeError as e:
             raise ConfigError(f"config key {key!r}: {e}") from None
     return to_train_config(cfg)
-
-
-def _unknown_key(key: str, parent: ConfigDict, part: str) -> None:
-    close = difflib.get_close_matches(part, list(parent.keys()), n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ConfigError(f"unknown config key {key!r}{hint}")
-
-
-# ----------------------------------------------------------------------------------------------
-# Validation.
-
-
-def _check_schema(value: Any, default: Any, key: str) -> None:
-    """Unknown keys and wrong types, recursively against the base config's defaults."""
-    if isinstance(default, ConfigDict):
-        if not isinstance(value, ConfigDict | Mapping):
-            raise ConfigError(f"config key {key!r} must be a section, got {value!r}")
-        if key.endswith("kwargs"):  # free-form keyword arguments for the task
-            return
-        for sub in value.keys():
-            if sub not in default:
-                _unknown_key(f"{key}.{sub}".lstrip("."), default, sub)
-            _check_schema(value[sub], default[sub], f"{key}.{sub}".lstrip("."))
-        return
-    if isinstance(default, bool):
-        ok = isinstance(value, bool)
-    elif isinstance(default, int):
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif isinstance(default, float):
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-    elif isinstance(default, tuple | list):
-        ok = isinstance(value, tuple | list)
-    else:
-        ok = isinstance(value, type(default))
-    if not ok:
-        raise ConfigError(
-            f"config key {key!r} must be {type(default).__name__}, got {value!r} "
-            f"({type(value).__name__})"
-        )
-
-
-def _require(ok: bool, key: str, message: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"config key {key!r} = {value!r}: {message}")
-
-
-def _one_of(cfg: ConfigDict, key: str, options: tuple) -> None:
-    section, _, leaf = key.partition(".")
-    value = cfg[section][leaf]
-    _require(value in options, key, f"must be one of {list(options)}", value)
-
-
-def _check_rewards(cfg: ConfigDict) -> None:
-    from jaxgrpo.rewards import REWARDS, Curriculum
-
-    functions = cfg.rewards.functions
-    _require(len(functions) > 0, "rewards.functions", "needs at least one reward", functions)
-    for i, entry in enumerate(functions):
-        key = f"rewards.functions[{i}]"
-        _require(
-            isinstance(entry, tuple | list) and len(entry) in (2, 3) and isinstance(entry[0], str),
-            key,
-            "must be (name, weight), (name, curriculum dict) or (name, weight, kwargs dict)",
-            entry,
-        )
-        name = entry[0]
-        known = name in REWARDS or "." in name or ":" in name
-        _require(known, key, f"unknown reward; known: {sorted(REWARDS)} or a dotted path", name)
-        weight = entry[1]
-        if isinstance(weight, bool) or not isinstance(weight, int | float | Mapping):
-            _require(False, key, "weight must be a number or a curriculum dict", weight)
-        if not isinstance(weight, Mapping):
-            _require(math.isfinite(weight), key, "weight must be finite", weight)
-        try:
-            Curriculum.from_spec(dict(weight) if isinstance(weight, Mapping) else weight)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(f"config key {key!r}: bad curriculum {weight!r}: {e}") from None
-        if len(entry) == 3:
-            _require(isinstance(entry[2], Mapping), key, "kwargs must be a dict", entry[2])
-    _one_of(cfg, "rewards.reward_on_error", ("none", "raise"))
-
-
-def _check_sampling(cfg: ConfigDict) -> None:
-    s = cfg.sampling
-    _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1", s.max_new_tokens)
-    _require(s.temperature >= 0, "sampling.temperature", "must be >= 0", s.temperature)
-    sched = s.temperature_schedule
-    kinds = ("constant", "linear", "cosine", "exponential")
-    key = "sampling.temperature_schedule.kind"
-    _require(sched.kind in kinds, key, f"must be one of {list(kinds)}", sched.kind)
-    _require(sched.end >= 0, "sampling.temperature_schedule.end", "must be >= 0", sched.end)
-    if sched.kind == "exponential":
-        ok = s.temperature > 0 and sched.end > 0
-        _require(ok, "sampling.temperature_schedule.end", "exponential needs > 0 ends", sched.end)
-    _require(sched.steps >= 0, "sampling.temperature_schedule.steps", "must be >= 0", sched.steps)
-    _require(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]", s.top_p)
-    _require(s.top_k >= 0, "sampling.top_k", "must be >= 0", s.top_k)
-    _require(0 <= s.min_p < 1, "sampling.min_p", "must be in [0, 1)", s.min_p)
-    guard = tuple(s.repetition_guard)
-    ok = len(guard) == 2 and all(isinstance(g, int) and g >= 0 for g in guard)
-    ok = ok and (guard[0] == 0 or guard[1] >= 2)
-    _require(ok, "sampling.repetition_guard", "(n, k) ints, n = 0 off, else k >= 2", guard)
-
-
-def _check_rl(cfg: ConfigDict) -> None:
-    r = cfg.rl
-    for key in ("prompts_per_step", "ppo_epochs", "num_minibatches", "grad_accum"):
-        _require(r[key] >= 1, f"rl.{key}", "must be >= 1", r[key])
-    msg = "must be >= 2 (advantages compare samples within a group)"
-    _require(r.group_size >= 2, "rl.group_size", msg, r.group_size)
-    _one_of(cfg, "rl.loss_type", ("grpo", "dapo", "dr_grpo", "gr_reinforce"))
-    _one_of(cfg, "rl.kl_estimator", ("k1", "k2", "k3"))
-    _one_of(cfg, "rl.adv_scale", ("group", "batch", "none"))
-    _require(0 <= r.eps_low < 1, "rl.eps_low", "must be in [0, 1)", r.eps_low)
-    _require(r.eps_high >= 0, "rl.eps_high", "must be >= 0", r.eps_high)
-    for key in ("beta", "entropy_coef", "tis_cap", "ref_reset_every"):
-        _require(r[key] >= 0, f"rl.{key}", "must be >= 0", r[key])
-    draws = r.dynamic_sampling_max_draws
-    _require(draws >= 1, "rl.dynamic_sampling_max_draws", "must be >= 1", draws)
-    if r.kl_in_reward:
-        _require(r.beta > 0, "rl.kl_in_reward", "needs rl.beta > 0", True)
-    if r.ref_reset_optimizer:
-        msg = "needs rl.ref_reset_every > 0"
-        _require(r.ref_reset_every > 0, "rl.ref_reset_optimizer", msg, True)
-    batch = r.prompts_per_step * r.group_size
-    split = r.num_minibatches * r.grad_accum
-    key = "rl.grad_accum" if r.grad_accum > 1 else "rl.num_minibatches"
-    _require(
-        batch % split == 0,
-        key,
-        f"num_minibatches * grad_accum = {split} must divide the batch "
-        f"prompts_per_step * group_size = {batch}",
-        r[key[3:]],
-    )
-
-
-def _check_mesh(cfg: Any, num_devices: int | None) -> dict[str, int]:
-    """Mesh checks for a ConfigDict or a TrainConfig; returns the (resolved) axis sizes."""
-    m, r = cfg.mesh, cfg.rl
-    sizes = {k: getattr(m, k) for k in ("data", "fsdp", "tensor")}
-    for k, v in sizes.items():
-        _require(v == -1 or v >= 1, f"mesh.{k}", "must be >= 1 or -1 (fill)", v)
-    fills = [k for k, v in sizes.items() if v == -1]
-    _require(len(fills) <= 1, f"mesh.{fills[-1] if fills else 'data'}", "at most one -1", -1)
-    known = math.prod(v for v in sizes.values() if v != -1)
-    if num_devices is not None:
-        ok = num_devices % known == 0 if fills else known == num_devices
-        _require(ok, "mesh", f"axis sizes do not fit {num_devices} devices", sizes)
-        if fills:
-            sizes[fills[0]] = num_devices // known
-    if -1 not in (sizes["data"], sizes["fsdp"]):
-        shards = sizes["data"] * sizes["fsdp"]
-        micro = r.prompts_per_step * r.group_size // (r.num_minibatches * r.grad_accum)
-        _require(
-            micro % shards == 0,
-            "rl.prompts_per_step",
-            f"a micro-batch of (prompts_per_step * group_size) / (num_minibatches * grad_accum)"
-            f" = {micro} sequences must be divisible by mesh data * fsdp = {shards}",
-            r.prompts_per_step,
-        )
-    msg = "must be >= -1 (0 = from env, -1 = JAX discovers)"
-    _require(m.num_processes >= -1, "mesh.num_processes", msg, m.num_processes)
-    return sizes
 
 
 def resolve_mesh_shape(cfg: TrainConfig, num_devices: int) -> dict[str, int]:
@@ -428,46 +260,7 @@ def resolve_mesh_shape(cfg: TrainConfig, num_devices: int) -> dict[str, int]:
       ConfigError: the axes do not fit the devices, or a micro-batch does not split evenly over
         data * fsdp.
     """
-    return _check_mesh(cfg, num_devices)
-
-
-def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
-    """Checks keys, types, values and combinations; raises ``ConfigError`` naming the key.
-
-    Args:
-      cfg: a config built on ``configs/base.py``.
-      num_devices: global device count, to check the mesh fits; None skips device-dependent
-        checks (a -1 axis is then left unresolved).
-    """
-    from jaxgrpo.configs import base
-
-    _check_schema(cfg, base.get_config(), "")
-    _require(cfg.steps >= 0, "steps", "must be >= 0", cfg.steps)
-    _require(bool(cfg.run_dir), "run_dir", "must not be empty", cfg.run_dir)
-    _one_of(cfg, "model.dtype", ("float32", "bfloat16"))
-    _one_of(cfg, "model.param_dtype", ("float32", "bfloat16"))
-    _require(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0", cfg.model.lora_rank)
-    _require(cfg.model.lora_alpha > 0, "model.lora_alpha", "must be > 0", cfg.model.lora_alpha)
-    bad = [t for t in cfg.model.lora_targets if t not in LORA_TARGETS]
-    _require(not bad, "model.lora_targets", f"unknown {bad}; choose from {LORA_TARGETS}", bad)
-    _require(cfg.task.num_eval >= 0, "task.num_eval", "must be >= 0", cfg.task.num_eval)
-    _check_rewards(cfg)
-    _check_sampling(cfg)
-    _check_rl(cfg)
-    o = cfg.optim
-    _require(o.lr > 0, "optim.lr", "must be > 0", o.lr)
-    _require(o.warmup_steps >= 0, "optim.warmup_steps", "must be >= 0", o.warmup_steps)
-    _one_of(cfg, "optim.schedule", ("cosine", "constant"))
-    _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
-    _require(0 <= o.b1 < 1, "optim.b1", "must be in [0, 1)", o.b1)
-    _require(0 <= o.b2 < 1, "optim.b2", "must be in [0, 1)", o.b2)
-    _require(o.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0", o.max_grad_norm)
-    _check_mesh(cfg, num_devices)
-    _require(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0", cfg.checkpoint.every)
-    _require(cfg.checkpoint.keep >= 1, "checkpoint.keep", "must be >= 1", cfg.checkpoint.keep)
-    _require(cfg.logging.every >= 1, "logging.every", "must be >= 1", cfg.logging.every)
-    samples = cfg.logging.samples_every
-    _require(samples >= 0, "logging.samples_every", "must be >= 0", samples)
+    return check_mesh(cfg, num_devices)
 
 
 def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainConfig:

@@ -27,6 +27,7 @@ from typing import Any
 
 from jaxgrpo import config as config_lib
 from jaxgrpo.config import ConfigError, TrainConfig
+from jaxgrpo.config_checks import unknown_key_error
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -61,7 +62,15 @@ def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
     from jaxgrpo.models import load_model
 
     source = smollm2_path() if spec.source == "smollm2" else spec.source
-    return load_model(source, dtype=spec.param_dtype, lora=lora, mesh=mesh)
+    return load_model(
+        source,
+        dtype=spec.dtype,
+        lora=lora,
+        mesh=mesh,
+        param_dtype=spec.param_dtype,
+        remat=spec.remat,
+        seed=seed,
+    )
 
 
 def build_task(task_cfg: config_lib.TaskConfig):
@@ -325,7 +334,7 @@ def resolve_argv(argv: Sequence[str]) -> list[str]:
             parent, key = cfg, match.group(1)
             for part in key.split("."):
                 if not hasattr(parent, "keys") or part not in parent:
-                    config_lib._unknown_key(key, parent if hasattr(parent, "keys") else {}, part)
+                    raise unknown_key_error(key, parent, part)
                 parent = parent[part]
     return argv
 
