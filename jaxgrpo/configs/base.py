@@ -80,7 +80,7 @@ def _rl() -> ConfigDict:
 def _optim() -> ConfigDict:
     c = ConfigDict()
     c.lr = 1e-5  # peak learning rate (AdamW)
-    c.warmup_steps = 0  # linear warmup from 0 to lr over this many optimizer updates
+    c.warmup_steps = 0  # linear warmup from 0 to lr over this many training steps
     c.schedule = "cosine"  # after warmup: "cosine" decay to 0 or "constant"
     c.weight_decay = 0.0  # AdamW decoupled weight decay
     c.b1 = 0.9  # Adam first-moment decay
