@@ -81,6 +81,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def sandbox_limits(timeout: float, memory_mb: int) -> dict[str, int]:
+    """The child's resource limits (soft = hard): memory, CPU seconds ``int(timeout) + 2`` (the
+    wall clock fires first), no new processes, 1 MiB files, 64 fds, no core dumps."""
+    return {
+        "RLIMIT_AS": memory_mb * 2**20,
+        "RLIMIT_CPU": int(timeout) + 2,
+        "RLIMIT_NPROC": 1,
+        "RLIMIT_FSIZE": 2**20,
+        "RLIMIT_NOFILE": 64,
+        "RLIMIT_CORE": 0,
+    }
+
+
 def run_tests(
     code: str,
     tests: list[str],
@@ -96,7 +109,7 @@ def run_tests(
       code: the generated program.
       tests: test statements (MBPP asserts), each run in the program's namespace.
       setup: code run before the program (the task's imports/fixtures).
-      timeout: wall-clock seconds for the whole run; RLIMIT_CPU is ``ceil(timeout) + 1``.
+      timeout: wall-clock seconds for the whole run.
       memory_mb: RLIMIT_AS of the child, in MiB.
       tmp_root: where the temporary directory is made (default: the system temp dir).
 
@@ -104,44 +117,36 @@ def run_tests(
       [len(tests)] booleans; a test the process did not report (crash, timeout) failed.
     """
     nonce = secrets.token_hex(16)
-    spec = {
-        "nonce": nonce,
-        "code": code,
-        "setup": setup or "",
-        "tests": list(tests),
-        "limits": {
-            "RLIMIT_AS": memory_mb * 2**20,
-            "RLIMIT_CPU": int(timeout) + 2,
-            "RLIMIT_NPROC": 1,
-            "RLIMIT_FSIZE": 2**20,
-            "RLIMIT_NOFILE": 64,
-            "RLIMIT_CORE": 0,
-        },
-    }
+    spec = {"nonce": nonce, "code": code, "setup": setup or "", "tests": list(tests)}
+    spec["limits"] = sandbox_limits(timeout, memory_mb)
     with tempfile.TemporaryDirectory(prefix="jaxgrpo_sandbox_", dir=tmp_root) as root:
         work = os.path.join(root, "work")
         os.mkdir(work)
-        env = {"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"}
-        command = [*namespace_prefix(), sys.executable, "-I", "-S", sandbox_runner.__file__]
+        # The report goes to a file, not a pipe: RLIMIT_FSIZE bounds it, and a child that
+        # floods its output cannot grow the trainer's memory.
         with open(os.path.join(root, "results"), "w+b") as results:
-            proc = subprocess.Popen(
-                command,
-                stdin=subprocess.PIPE,
-                stdout=results,
-                stderr=subprocess.DEVNULL,
-                cwd=work,
-                env=env,
-                start_new_session=True,
-            )
-            try:
-                proc.communicate(json.dumps(spec).encode(), timeout=timeout)
-            except subprocess.TimeoutExpired:
-                pass
-            finally:
-                _kill_group(proc)
+            _run_child(json.dumps(spec).encode(), work, results, timeout)
             results.seek(0)
             lines = results.read(2**20).decode(errors="replace").splitlines()
     return _parse_results(lines, nonce, len(tests))
+
+
+def _run_child(spec: bytes, work: str, results, timeout: float) -> None:
+    proc = subprocess.Popen(
+        [*namespace_prefix(), sys.executable, "-I", "-S", sandbox_runner.__file__],
+        stdin=subprocess.PIPE,
+        stdout=results,
+        stderr=subprocess.DEVNULL,
+        cwd=work,
+        env={"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"},
+        start_new_session=True,  # its own process group, killed whole below
+    )
+    try:
+        proc.communicate(spec, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    finally:
+        _kill_group(proc)
 
 
 def _parse_results(lines: list[str], nonce: str, num_tests: int) -> list[bool]:
