@@ -85,10 +85,14 @@ def build_task(task_cfg: config_lib.TaskConfig):
         if task_cfg.name in TASKS
         else set()
     )
-    if task_cfg.prompt_template:
-        kwargs.setdefault("template", task_cfg.prompt_template)
-    if task_cfg.system_prompt:
-        kwargs.setdefault("system_prompt", task_cfg.system_prompt)
+    for key, field, value in (
+        ("task.prompt_template", "template", task_cfg.prompt_template),
+        ("task.system_prompt", "system_prompt", task_cfg.system_prompt),
+    ):
+        if value and field not in fields:
+            raise ConfigError(f"config key {key!r}: task {task_cfg.name!r} has no {field!r} option")
+        if value:
+            kwargs.setdefault(field, value)
     if "num_eval" in fields:
         kwargs.setdefault("num_eval", max(task_cfg.num_eval, 1))
     try:

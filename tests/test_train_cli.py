@@ -127,3 +127,14 @@ def test_sigterm_finishes_the_step_and_checkpoints(tmp_path):
     state, meta = ckpt.restore(learner.init_state())
     assert ckpt.latest_step() == 3 and meta["data_cursor"] == 6 and int(state["n"]) == 3
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, "handlers restored"
+
+
+def test_build_task_applies_the_task_section():
+    task = train.build_task(load_config("tiny", {"task.system_prompt": "Be terse."}).task)
+    examples = task.eval_examples()
+    assert len(examples) == 4, "task.num_eval sizes format_copy's held-out set"
+    assert examples[0]["messages"][0] == {"role": "system", "content": "Be terse."}
+    with pytest.raises(ConfigError, match="config key 'task.prompt_template'"):
+        train.build_task(load_config("tiny", {"task.prompt_template": "r1"}).task)
+    with pytest.raises(ConfigError, match="config key 'task'"):
+        train.build_task(load_config("tiny", {"task.name": "no_such_task"}).task)
