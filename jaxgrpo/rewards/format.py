@@ -32,17 +32,6 @@ def single_answer(text: str) -> str | None:
     return match.group(1) if match else None
 
 
-def reasoning_text(completion) -> str:
-    """The completion without ``<answer>`` blocks and think/reasoning tags, for soft rewards
-    (BLEU, embeddings) that compare the reasoning to a reference solution; the whole text when
-    nothing else is left."""
-    text = completion_text(completion)
-    reasoning = _PAIR_RE.sub(" ", text)
-    reasoning = re.sub(r"</?(?:answer|think|reasoning)>", " ", reasoning)
-    reasoning = re.sub(r"\s+", " ", reasoning).strip()
-    return reasoning or text.strip()
-
-
 def _strict_score(text: str) -> float:
     text = text.strip()
     content = single_answer(text)

@@ -3,6 +3,8 @@
 import importlib.util
 import logging
 import math
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -170,6 +172,20 @@ def test_embedding_bleu_and_hard_soft_formulas():
     importlib.util.find_spec("jaxgrpo.rewards.embedding") is None,
     reason="jaxgrpo.rewards.embedding (tasks engineer) not present yet",
 )
-def test_embedding_bleu_default_encoder_runs_lazily():
-    got = REWARDS["embedding_bleu"](["p"], ["the cat sat"], reference=["the cat sat"])
+def test_hybrids_with_the_default_encoder():
+    """Identical reasoning and reference: cos = 1 and BLEU = 1, so both hybrids give 1."""
+    completion, ref = (
+        "<think>the cat sat on the mat</think><answer>1</answer>",
+        "the cat sat on the mat",
+    )
+    got = REWARDS["embedding_bleu"](["p"], [completion], reference=[ref])
     assert got[0] == pytest.approx(1.0, abs=1e-3)
+    got = REWARDS["hard_soft"](["p"], [completion], answer=["1"], reference=[ref])
+    assert got[0] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_importing_the_registry_loads_no_model():
+    heavy = ("torch", "jaxgrpo.models.encoder", "jaxgrpo.rewards.perplexity")
+    code = f"import sys, jaxgrpo.rewards; print([m for m in {heavy} if m in sys.modules])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -2,7 +2,7 @@
 
 import pytest
 
-from jaxgrpo.rewards.format import format_copy, format_r1, format_strict, reasoning_text
+from jaxgrpo.rewards.format import format_copy, format_r1, format_strict
 
 
 def _strict(text):
@@ -96,8 +96,3 @@ def test_format_copy_doom_loop_and_missing_reference():
     assert format_copy(["p"], ["<answer>1</answer>"], answer=[None]) == [None]
     assert _copy("<answer>-7</answer>", number="-7") == 1.0
     assert _copy("<answer>7</answer>", number="-7") == 0.25
-
-
-def test_reasoning_text_strips_answer_and_think_tags():
-    assert reasoning_text("<think>add 2 and 2</think><answer>4</answer>") == "add 2 and 2"
-    assert reasoning_text("<answer>4</answer>") == "<answer>4</answer>"  # nothing else left

@@ -35,11 +35,12 @@ def test_bleu_equals_sacrebleu_sentence_bleu_over_100():
         "Natalia sold 48 clips in April and 24 in May, so 72 clips.",
         "<think>She sold 48 and then 24.</think><answer>72</answer>",
         "completely unrelated words here",
+        "<answer>72</answer>",  # no reasoning left
     ]
-    got = bleu(["p"] * 4, hyps, reference=[ref] * 4)
+    got = bleu(["p"] * 5, hyps, reference=[ref] * 5)
     texts = [ref, hyps[1], "She sold 48 and then 24.", hyps[3]]  # reasoning_text of each
     want = [sacrebleu.sentence_bleu(t, [ref]).score / 100 for t in texts]
-    assert got == pytest.approx(want, abs=1e-12)
+    assert got == pytest.approx([*want, 0.0], abs=1e-12)
     assert got[0] == pytest.approx(1.0) and got[3] < 0.1 < got[1] < 1.0
     assert bleu(["p"], ["x"], reference=[""]) == [None]
 
