@@ -21,6 +21,12 @@ _FRAC_SHORT_RE = re.compile(
     r"\\[dt]?frac\s*(?:(\d)|\{\s*(-?[\d.]+)\s*\})\s*(?:(\d)|\{\s*(-?[\d.]+)\s*\})"
 )
 _THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_TEXT_RE = re.compile(r"\\(?:text|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
+_DECORATION_RE = re.compile(
+    r"\\left|\\right|\\[!,;:]|\\displaystyle|\^\s*\{?\s*\\circ\s*\}?|\\degree|°"
+)
+# Left after stripping decorations, these mean an expression ("x^2", "2\pi", "1 + 2"), not a number.
+_OPERATOR_RE = re.compile(r"[\^*\\{}=×÷]|(?<=\S)\s*\+")
 _CURRENCY = "$€£¥₹¢"
 _DASHES = {"\u2212": "-", "\u2013": "-", "\u2014": "-", "\u2012": "-", "\ufe63": "-"}
 
@@ -88,8 +94,10 @@ def parse_number(text: str | None) -> Fraction | None:
     """The single number a (possibly decorated) answer string states, exactly, or None.
 
     Handles ``\\boxed{}``, ``\\frac{a}{b}`` and ``a/b``, thousands commas (``1,234``), currency
-    symbols, trailing units and words (``12 apples``, ``50%``), unicode digits and minus signs.
-    Returns None when no number is present or when the text states several different numbers.
+    symbols, units and words (``12 apples``, ``5\\text{ cm}``, ``50%``, ``90^\\circ``), a leading
+    ``x =``, unicode digits and minus signs. Returns None when no number is present, when the
+    text states several different numbers, or when it is an expression (``x^2``, ``2\\pi``,
+    ``1 + 2``).
 
     Args:
       text: the answer string (e.g. the content of an ``<answer>`` tag).
@@ -102,8 +110,12 @@ def parse_number(text: str | None) -> Fraction | None:
     boxed = last_boxed(text)
     text = _ascii_digits(boxed if boxed is not None else text)
     text = _FRAC_SHORT_RE.sub(lambda m: f"{m[1] or m[2]}/{m[3] or m[4]}", text)
+    text = _DECORATION_RE.sub("", _TEXT_RE.sub(r" \1", text))
+    text = text.replace("\\$", "$").replace("\\%", "%")
+    text = re.sub(r"^\s*[a-zA-Z]\w*\s*=", "", text)  # "x = 5"
+    if _OPERATOR_RE.search(text):
+        return None
     text = _THOUSANDS_RE.sub("", text)
-    text = text.replace("\\!", "").replace("\\,", "").replace("\\$", "").replace("\\%", "%")
     for symbol in _CURRENCY:
         text = text.replace(symbol, " ")
     text = re.sub(r"-\s+(?=\d)", "-", text)  # "- 5" after stripping "$" in "-$5"
@@ -123,10 +135,7 @@ def normalize_latex(text: str) -> str:
     boxed = last_boxed(text)
     if boxed is not None:
         text = boxed
-    for old in ("\\left", "\\right", "\\!", "\\,", "\\;", "\\:", "$", "\\displaystyle"):
-        text = text.replace(old, "")
-    text = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|\\degree|°", "", text)
-    text = re.sub(r"\\(?:text|textbf|mbox|mathrm)\{\s*([^{}]*)\}", r"\1", text)
+    text = _DECORATION_RE.sub("", _TEXT_RE.sub(r"\1", text)).replace("$", "")
     text = text.replace("\\%", "").replace("%", "")
     text = re.sub(r"\\[dt]frac", r"\\frac", text)
     text = re.sub(r"\\frac(\d)(\d)", r"\\frac{\1}{\2}", text)

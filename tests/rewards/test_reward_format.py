@@ -1,6 +1,8 @@
 """Format rewards: strict, R1-style, format_copy's partial credit, the doom-loop penalty."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxgrpo.rewards.format import format_copy, format_r1, format_strict
 
@@ -96,3 +98,16 @@ def test_format_copy_doom_loop_and_missing_reference():
     assert format_copy(["p"], ["<answer>1</answer>"], answer=[None]) == [None]
     assert _copy("<answer>-7</answer>", number="-7") == 1.0
     assert _copy("<answer>7</answer>", number="-7") == 0.25
+
+
+@settings(max_examples=60, deadline=None)
+@given(number=st.integers(-(10**6), 10**6), data=st.data())
+def test_format_copy_property_only_the_exact_form_scores_one(number, data):
+    """For any integer, the exact tag scores 1 and any one-character edit of it scores less."""
+    exact = f"<answer>{number}</answer>"
+    assert _copy(exact, str(number)) == 1.0
+    i = data.draw(st.integers(0, len(exact) - 1))
+    ch = data.draw(st.sampled_from(list("0123456789<>/ a-")))
+    edited = exact[:i] + ch + exact[i + 1 :]
+    if edited.strip() != exact:
+        assert _copy(edited, str(number)) < 1.0, edited

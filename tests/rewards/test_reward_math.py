@@ -3,6 +3,8 @@
 from fractions import Fraction
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxgrpo.rewards.math import (
     answers_match,
@@ -42,14 +44,19 @@ def _score(completion, answer):
         ("१०", Fraction(10)),  # Devanagari digits
         ("x = 9", Fraction(9)),
         ("1e3", Fraction(1000)),
-        ("12 = 12.0", Fraction(12)),  # several spellings of one value are one number
+        ("5\\text{ cm}", Fraction(5)),
+        ("90^\\circ", Fraction(90)),
+        ("+3", Fraction(3)),
+        ("12 or 12.0", Fraction(12)),  # several spellings of one value are one number
     ],
 )
 def test_parse_number_real_world_formats(text, expected):
     assert parse_number(text) == expected, text
 
 
-@pytest.mark.parametrize("text", ["", "no number", "3 or 4", "1, 2, 3", "7/0", None])
+@pytest.mark.parametrize(
+    "text", ["", "no number", "3 or 4", "1, 2, 3", "7/0", None, "x^2", "2\\pi", "1 + 2", "2*3"]
+)
 def test_parse_number_rejects_missing_hedged_or_invalid(text):
     assert parse_number(text) is None, text
 
@@ -124,3 +131,18 @@ def test_exact_answer_batch_none_for_missing_reference_and_conversational():
     assert exact_answer(["a", "b"], completions, answer=[None, "2"]) == [None, 1.0]
     with pytest.raises(ValueError):
         exact_answer(["a"], ["<answer>1</answer>"], answer=["1", "2"])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    value=st.integers(-(10**9), 10**9),
+    cents=st.integers(0, 99),
+    fmt=st.sampled_from(
+        ["{:,}.{:02d}", "${:,}.{:02d}", "{}.{:02d} dollars", "\\boxed{{{}.{:02d}}}"]
+    ),
+)
+def test_parse_number_property_formatted_decimals_round_trip(value, cents, fmt):
+    """Any integer part with cents, written with commas/currency/units/boxed, parses exactly."""
+    sign = -1 if value < 0 else 1
+    text = fmt.format(value, cents)
+    assert parse_number(text) == sign * (abs(value) + Fraction(cents, 100)), text
