@@ -1,0 +1,213 @@
+"""Per-token log-probabilities and entropies of sampled completions, with prefix sharing.
+
+The scoring passes of a GRPO step (reference, old policy, and the loss itself) need, for every
+completion token, `log softmax(logits / temperature)` at that token, under the temperature the
+sampler used for it. Two costs dominate on every backend and this module avoids both:
+
+* Logits. A full `[B, S, V]` float32 logit tensor is the largest array of a step (Qwen's V is
+  152k). Logits are computed only at the T positions that predict completion tokens, and in
+  chunks of `chunk_size` positions under `jax.checkpoint`, so the backward pass recomputes each
+  chunk's `[N, C, V]` block instead of storing all of them.
+* Shared prompts. The G samples of a group have the same prompt, which is usually most of the
+  tokens. `shared_prefix_logprobs` runs the prompt once per group into a KV cache (the model's
+  own cache path), repeats the cache G times, and runs only the completions against it. The
+  cache is an ordinary differentiable value, so gradients from all G completions flow back
+  through the repeated keys and values into the prompt pass and sum there: the LoRA (or full)
+  gradients are those of the unshared computation, which `full_sequence_logprobs` implements
+  and the tests compare against.
+
+Temperature 0 (greedy) rows are scored at temperature 1, matching the sampler's convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgrpo.models.kv_cache import init_cache
+from jaxgrpo.types import Array, PyTree
+
+
+def _token_stats(
+    logits_fn: Callable[[Array], Array], h_NCD: Array, tokens_NC: Array, temps_NC: Array
+) -> tuple[Array, Array]:
+    """Log-prob of `tokens_NC` and entropy under `softmax(logits / temperature)`."""
+    logits_NCV = logits_fn(h_NCD).astype(jnp.float32)
+    temps_NC = jnp.where(temps_NC > 0, temps_NC, 1.0).astype(jnp.float32)
+    logp_NCV = jax.nn.log_softmax(logits_NCV / temps_NC[..., None], axis=-1)
+    logp_NC = jnp.take_along_axis(logp_NCV, tokens_NC[..., None], axis=-1)[..., 0]
+    entropy_NC = -jnp.sum(jnp.exp(logp_NCV) * logp_NCV, axis=-1)
+    return logp_NC, entropy_NC
+
+
+def chunked_token_logprobs(
+    logits_fn: Callable[[Array], Array],
+    h_NTD: Array,
+    tokens_NT: Array,
+    temps_NT: Array,
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """Scores `tokens_NT` from the hidden states that predict them, chunk by chunk over T.
+
+    Args:
+        logits_fn: maps hidden states [N, C, D] to logits [N, C, V] (the model's LM head).
+        h_NTD: hidden state at the position before each token (h_NTD[:, t] predicts
+            tokens_NT[:, t]).
+        tokens_NT: int32 token ids.
+        temps_NT: sampling temperature of each token (0 means greedy: scored at 1).
+        chunk_size: positions per logits block; T is padded up to a multiple of it.
+
+    Returns:
+        (logp_NT, entropy_NT), float32.
+    """
+    n, t, d = h_NTD.shape
+    c = max(1, min(chunk_size, t))
+    n_chunks = -(-t // c)
+    pad = n_chunks * c - t
+    if pad:
+        h_NTD = jnp.pad(h_NTD, ((0, 0), (0, pad), (0, 0)))
+        tokens_NT = jnp.pad(tokens_NT, ((0, 0), (0, pad)))
+        temps_NT = jnp.pad(temps_NT, ((0, 0), (0, pad)), constant_values=1.0)
+
+    def split(x):
+        return jnp.swapaxes(x.reshape((n, n_chunks, c) + x.shape[2:]), 0, 1)
+
+    # Rematerialise each chunk's [N, C, V] logits in the backward pass instead of keeping them.
+    body = jax.checkpoint(lambda h, tok, temp: _token_stats(logits_fn, h, tok, temp))
+    _, (logp, ent) = jax.lax.scan(
+        lambda _, xs: (None, body(*xs)), None, (split(h_NTD), split(tokens_NT), split(temps_NT))
+    )
+
+    def merge(x):
+        return jnp.swapaxes(x, 0, 1).reshape(n, n_chunks * c)[:, :t]
+
+    return merge(logp), merge(ent)
+
+
+def full_sequence_logprobs(
+    model: Any,
+    prompt_ids_NP: Array,
+    prompt_mask_NP: Array,
+    tokens_NT: Array,
+    mask_NT: Array,
+    temps_NT: Array,
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """Unshared scoring: one forward pass over each full (prompt + completion) row.
+
+    Args:
+        model: a `Transformer`.
+        prompt_ids_NP: int32 left-padded prompts, one row per completion.
+        prompt_mask_NP: prompt validity mask.
+        tokens_NT: int32 completion tokens.
+        mask_NT: completion validity mask (1 up to and including the stop token).
+        temps_NT: sampling temperature of each completion token.
+        chunk_size: positions per logits block.
+
+    Returns:
+        (logp_NT, entropy_NT), float32; values at masked positions are finite but meaningless.
+    """
+    p = prompt_ids_NP.shape[1]
+    t = tokens_NT.shape[1]
+    ids_NS = jnp.concatenate([prompt_ids_NP, tokens_NT], axis=1)
+    mask_NS = jnp.concatenate([prompt_mask_NP, mask_NT], axis=1).astype(jnp.int32)
+    h_NSD, _ = model.hidden(ids_NS, mask_NS)
+    h_NTD = h_NSD[:, p - 1 : p + t - 1]
+    return chunked_token_logprobs(model.logits, h_NTD, tokens_NT, temps_NT, chunk_size)
+
+
+def shared_prefix_logprobs(
+    model: Any,
+    prompt_ids_BP: Array,
+    prompt_mask_BP: Array,
+    tokens_NT: Array,
+    mask_NT: Array,
+    temps_NT: Array,
+    *,
+    group_size: int,
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """Prefix-shared scoring: each prompt runs once, its G completions against its KV cache.
+
+    Equal to `full_sequence_logprobs` on the prompts repeated G times (row b*G + g is sample g
+    of prompt b), in values and in gradients.
+
+    Args:
+        model: a `Transformer` (its `hidden` accepts a `KVCache`).
+        prompt_ids_BP: int32 left-padded prompts, one per group.
+        prompt_mask_BP: prompt validity mask.
+        tokens_NT: int32 completion tokens, N = B * group_size, grouped by prompt.
+        mask_NT: completion validity mask.
+        temps_NT: sampling temperature of each completion token.
+        group_size: G, completions per prompt.
+        chunk_size: positions per logits block.
+
+    Returns:
+        (logp_NT, entropy_NT), float32.
+    """
+    b, p = prompt_ids_BP.shape
+    t = tokens_NT.shape[1]
+    cache = init_cache(model.cfg, b, p + t - 1, _compute_dtype(model))
+    h_BPD, cache = model.hidden(prompt_ids_BP, prompt_mask_BP.astype(jnp.int32), cache=cache)
+    # Left padding puts every prompt's last token in the last column.
+    h_last_ND = jnp.repeat(h_BPD[:, -1], group_size, axis=0)
+    cache = cache.repeat(group_size)
+    if t > 1:
+        h_NtD, _ = model.hidden(tokens_NT[:, :-1], mask_NT[:, :-1].astype(jnp.int32), cache=cache)
+        h_NTD = jnp.concatenate([h_last_ND[:, None], h_NtD], axis=1)
+    else:
+        h_NTD = h_last_ND[:, None]
+    return chunked_token_logprobs(model.logits, h_NTD, tokens_NT, temps_NT, chunk_size)
+
+
+def _compute_dtype(model: Any):
+    return jnp.dtype(getattr(model.cfg, "dtype", "float32"))
+
+
+def make_logprobs_fn(
+    graphdef: Any,
+    *,
+    group_size: int,
+    chunk_size: int = 64,
+    in_shardings: Any = None,
+    out_shardings: Any = None,
+) -> Callable[[PyTree, PyTree, Array, Array, Array, Array, Array], tuple[Array, Array]]:
+    """Jitted prefix-shared scoring over split model state (reference and old-policy passes).
+
+    Args:
+        graphdef: the model's graph definition from `nnx.split(model, trainable, frozen)`;
+            closed over, never traced.
+        group_size: G.
+        chunk_size: positions per logits block.
+        in_shardings: optional shardings for (trainable, frozen, prompt ids, prompt mask,
+            tokens, mask, temperatures).
+        out_shardings: optional shardings for (logp, entropy).
+
+    Returns:
+        `fn(trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT)
+        -> (logp_NT, entropy_NT)`.
+    """
+
+    def fn(trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT):
+        model = nnx.merge(graphdef, trainable, frozen)
+        return shared_prefix_logprobs(
+            model,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            tokens_NT,
+            mask_NT,
+            temps_NT,
+            group_size=group_size,
+            chunk_size=chunk_size,
+        )
+
+    kwargs = {}
+    if in_shardings is not None:
+        kwargs["in_shardings"] = in_shardings
+    if out_shardings is not None:
+        kwargs["out_shardings"] = out_shardings
+    return jax.jit(fn, **kwargs)

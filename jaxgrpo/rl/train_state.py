@@ -1,0 +1,207 @@
+"""The learner's state pytree and its jitted, sharded optimizer update.
+
+`TrainState` is everything that changes during training and must survive a restart: the
+trainable parameters (the LoRA adapters, or every weight for full fine-tuning), the optax state,
+the step counter, the PRNG key, the reference policy's trainable part, and the count of updates
+skipped because the loss or a gradient was not finite. The frozen weights (the base model under
+LoRA) are not part of it: they never change, so they are passed to every compiled function
+separately and never checkpointed twice.
+
+`make_update_fn` builds one compiled program per run: gradient accumulation over micro-batches
+(a `lax.scan`, so the number of micro-batches never changes the program size), global-norm
+clipping, AdamW, and a finiteness guard that keeps the old parameters and optimizer state when
+anything is NaN or infinite. Its input and output shardings are stated explicitly and the state
+is donated, so the update happens in place on every device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxgrpo.types import Array, PyTree
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Learner state; a pytree, so it is jitted, sharded and checkpointed as one object.
+
+    Attributes:
+        params: trainable parameters (an `nnx.State` of `LoRAParam`s, or of every `Param` for
+            full fine-tuning).
+        opt_state: optax state over `params`.
+        step: int32 scalar, completed training steps (one rollout batch each).
+        rng: uint32 [2] PRNG key; split once per training step.
+        ref_params: the reference policy's trainable part (zero LoRA, a LoRA snapshot after a
+            reference reset, or a frozen copy of every weight for full fine-tuning); None when
+            the run needs no reference log-probs.
+        skipped: int32 scalar, optimizer updates skipped because of a non-finite loss or grad.
+    """
+
+    params: PyTree
+    opt_state: PyTree
+    step: Array
+    rng: Array
+    ref_params: PyTree
+    skipped: Array
+
+
+def make_schedule(optim_cfg: Any, total_updates: int, updates_per_step: int) -> optax.Schedule:
+    """Learning-rate schedule over optimizer updates.
+
+    Args:
+        optim_cfg: the config's `optim` section (lr, warmup_steps, schedule).
+        total_updates: optimizer updates in the whole run (steps x updates per step).
+        updates_per_step: optimizer updates per training step; warmup is given in training
+            steps, so it is scaled by this.
+
+    Returns:
+        An optax schedule: linear warmup from 0 to `lr`, then cosine decay to 0 at the end of
+        the run, or constant.
+    """
+    warmup = int(optim_cfg.warmup_steps) * updates_per_step
+    lr = float(optim_cfg.lr)
+    if optim_cfg.schedule == "cosine":
+        return optax.warmup_cosine_decay_schedule(
+            0.0, lr, warmup_steps=warmup, decay_steps=max(total_updates, warmup + 1)
+        )
+    if optim_cfg.schedule == "constant":
+        if warmup == 0:
+            return optax.constant_schedule(lr)
+        return optax.join_schedules(
+            [optax.linear_schedule(0.0, lr, warmup), optax.constant_schedule(lr)], [warmup]
+        )
+    raise ValueError(f"optim.schedule must be 'cosine' or 'constant', got {optim_cfg.schedule!r}")
+
+
+def make_optimizer(
+    optim_cfg: Any, total_updates: int, updates_per_step: int = 1
+) -> optax.GradientTransformation:
+    """AdamW with warmup + cosine/constant schedule and global-norm clipping.
+
+    Args:
+        optim_cfg: the config's `optim` section (lr, warmup_steps, schedule, weight_decay, b1,
+            b2, max_grad_norm; max_grad_norm <= 0 disables clipping).
+        total_updates: optimizer updates in the whole run.
+        updates_per_step: optimizer updates per training step.
+
+    Returns:
+        The optax transformation.
+    """
+    schedule = make_schedule(optim_cfg, total_updates, updates_per_step)
+    adamw = optax.adamw(
+        schedule,
+        b1=float(optim_cfg.b1),
+        b2=float(optim_cfg.b2),
+        weight_decay=float(optim_cfg.weight_decay),
+    )
+    if float(optim_cfg.max_grad_norm) > 0:
+        return optax.chain(optax.clip_by_global_norm(float(optim_cfg.max_grad_norm)), adamw)
+    return adamw
+
+
+def opt_state_shardings(optimizer: optax.GradientTransformation, params: PyTree, param_sh: PyTree):
+    """Shardings of the optimizer state: moments follow their parameter, the rest replicate.
+
+    Args:
+        optimizer: the optax transformation.
+        params: the trainable parameters (concrete or abstract).
+        param_sh: a pytree of `NamedSharding` matching `params`.
+
+    Returns:
+        A pytree of shardings matching `optimizer.init(params)`.
+    """
+    leaf = jax.tree.leaves(param_sh)[0]
+    replicated = jax.sharding.NamedSharding(leaf.mesh, jax.sharding.PartitionSpec())
+    abstract = jax.eval_shape(optimizer.init, params)
+    return optax.tree_map_params(
+        optimizer,
+        lambda _, sharding: sharding,
+        abstract,
+        param_sh,
+        transform_non_params=lambda _: replicated,
+    )
+
+
+def all_finite(tree: PyTree) -> Array:
+    """Returns a bool scalar: every element of every leaf of `tree` is finite."""
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.stack(leaves).all() if leaves else jnp.array(True)
+
+
+def make_update_fn(
+    loss_fn: Callable[..., tuple[Array, dict[str, Array]]],
+    optimizer: optax.GradientTransformation,
+    *,
+    state_sh: Any,
+    frozen_sh: Any,
+    batch_sh: Any,
+    idx_sh: Any,
+) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
+    """Builds the jitted update: accumulate grads over micro-batches, clip, AdamW, guard.
+
+    `loss_fn(params, frozen, batch, idx_M)` returns `(loss, metrics)` for the micro-batch of
+    groups `idx_M` drawn from the whole rollout `batch`. It must already be normalised by the
+    whole minibatch (the losses' global normaliser), so the sum of micro-batch losses and
+    gradients equals the full minibatch's and accumulation is exact.
+
+    Args:
+        loss_fn: the micro-batch loss, differentiable in `params`.
+        optimizer: the optax transformation.
+        state_sh: shardings of the `TrainState`.
+        frozen_sh: shardings of the frozen parameters.
+        batch_sh: shardings of the rollout batch.
+        idx_sh: sharding of the [A, M] group-index array.
+
+    Returns:
+        `update(state, frozen, batch, idx_AM) -> (state, metrics)`, jitted with `state`
+        donated. idx_AM holds, for each of the A micro-batches, the M groups it trains on.
+        Metrics are averaged over micro-batches, plus `loss` (summed), `grad_norm`,
+        `update_skipped` (0/1) and `lr_count`.
+    """
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def micro_step(params, frozen, batch, carry, idx_M):
+        grads_acc, loss_acc = carry
+        (loss, metrics), grads = grad_fn(params, frozen, batch, idx_M)
+        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+        return (grads_acc, loss_acc + loss), metrics
+
+    def update(state: TrainState, frozen: PyTree, batch: PyTree, idx_AM: Array):
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        init = (zeros, jnp.zeros((), jnp.float32))
+        (grads, loss), metrics = jax.lax.scan(
+            lambda c, i: micro_step(state.params, frozen, batch, c, i), init, idx_AM
+        )
+        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        ok = jnp.isfinite(loss) & all_finite(grads)
+        # A NaN must not reach the moments either: feed zeros and then keep the old state.
+        safe = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
+        updates, new_opt = optimizer.update(safe, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+
+        def pick(new, old):
+            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
+        new_state = state.replace(
+            params=pick(new_params, state.params),
+            opt_state=pick(new_opt, state.opt_state),
+            skipped=state.skipped + (~ok).astype(jnp.int32),
+        )
+        metrics = dict(metrics)
+        metrics["loss"] = loss
+        metrics["grad_norm"] = optax.global_norm(safe)
+        metrics["update_skipped"] = (~ok).astype(jnp.float32)
+        return new_state, metrics
+
+    return jax.jit(
+        update,
+        in_shardings=(state_sh, frozen_sh, batch_sh, idx_sh),
+        out_shardings=(state_sh, None),
+        donate_argnums=(0,),
+    )

@@ -1,0 +1,161 @@
+"""Scoring of sampled completions: chunked logits, temperatures, and prefix sharing.
+
+The reference for every value is the plain forward `model(ids, attention_mask=mask)` over the
+whole (prompt + completion) row, log-softmaxed at the sampled tokens: nothing of
+`jaxgrpo.rl.logprobs` is reused to build it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.rl import logprobs as lp
+from jaxgrpo.rl.tiny import tiny_model_config
+
+B, G, P, T = 2, 3, 8, 6
+ATOL = 1e-5  # float32; the shared and unshared paths sum the same terms in another order
+
+
+def _model(lora: bool) -> Transformer:
+    cfg = tiny_model_config(LoRAConfig(rank=4, alpha=8.0) if lora else None)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    if lora:
+        # B starts at zero; give the adapters weight so their gradients are not trivially equal.
+        _, lora_state = nnx.split(model, nnx.LoRAParam, ...)[:2]
+        keys = jax.random.split(jax.random.key(1), len(jax.tree.leaves(lora_state)))
+        leaves, treedef = jax.tree.flatten(lora_state)
+        noisy = [
+            0.1 * jax.random.normal(k, x.shape, x.dtype) for k, x in zip(keys, leaves, strict=True)
+        ]
+        nnx.update(model, jax.tree.unflatten(treedef, noisy))
+    return model
+
+
+def _batch():
+    """Left-padded prompts of different lengths, ragged completions, mixed temperatures."""
+    rng = np.random.default_rng(0)
+    prompt_ids = rng.integers(3, 300, (B, P)).astype(np.int32)
+    prompt_mask = np.ones((B, P), np.int32)
+    prompt_mask[0, :3] = 0  # prompt 0 has 5 tokens, prompt 1 has 8
+    prompt_ids[0, :3] = 0
+    tokens = rng.integers(3, 300, (B * G, T)).astype(np.int32)
+    mask = np.ones((B * G, T), np.int32)
+    mask[1, 4:] = 0
+    mask[4, 1:] = 0
+    temps = np.full((B * G, T), 0.7, np.float32)
+    temps[2] = 1.3
+    temps[5, :2] = 0.0  # greedy positions are scored at temperature 1
+    return prompt_ids, prompt_mask, tokens, mask, temps
+
+
+def _reference(model, prompt_ids, prompt_mask, tokens, mask, temps):
+    """log softmax(logits / temp) at each completion token, from one plain forward pass."""
+    ids = jnp.concatenate([jnp.repeat(prompt_ids, G, 0), tokens], axis=1)
+    full_mask = jnp.concatenate([jnp.repeat(prompt_mask, G, 0), mask], axis=1)
+    logits = model(ids, attention_mask=full_mask)[:, P - 1 : P + T - 1]
+    temps = jnp.where(temps > 0, temps, 1.0)
+    logp_all = jax.nn.log_softmax(logits / temps[..., None], axis=-1)
+    logp = jnp.take_along_axis(logp_all, tokens[..., None], axis=-1)[..., 0]
+    entropy = -jnp.sum(jnp.exp(logp_all) * logp_all, axis=-1)
+    return logp, entropy
+
+
+def _shared(model, *batch, chunk_size=4):
+    return lp.shared_prefix_logprobs(model, *batch, group_size=G, chunk_size=chunk_size)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_chunked_token_logprobs_any_chunk_size(chunk_size):
+    """Chunking over T (with padding when C does not divide T) changes nothing."""
+    rng = np.random.default_rng(2)
+    h = jnp.asarray(rng.normal(size=(3, 7, 5)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(5, 11)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 11, (3, 7)), jnp.int32)
+    temps = jnp.asarray(rng.choice([0.0, 0.5, 1.0, 2.0], (3, 7)), jnp.float32)
+    logp, ent = lp.chunked_token_logprobs(lambda x: x @ w, h, tokens, temps, chunk_size)
+    logp_all = jax.nn.log_softmax((h @ w) / jnp.where(temps > 0, temps, 1.0)[..., None], -1)
+    want = jnp.take_along_axis(logp_all, tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(logp, want, atol=1e-6)
+    np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(logp_all) * logp_all, -1), atol=1e-5)
+
+
+def test_shared_prefix_values_equal_plain_forward():
+    model = _model(lora=True)
+    graphdef, params, rest = nnx.split(model, nnx.LoRAParam, nnx.Param)
+    batch = _batch()
+    mask = batch[3].astype(bool)
+    want_logp, want_ent = jax.jit(lambda *a: _reference(model, *a))(*batch)
+    fn = lp.make_logprobs_fn(graphdef, group_size=G, chunk_size=4)
+    logp, ent = fn(params, rest, *batch)
+    assert logp.shape == ent.shape == (B * G, T)
+    np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, want_logp, 0), atol=ATOL)
+    np.testing.assert_allclose(np.where(mask, ent, 0), np.where(mask, want_ent, 0), atol=ATOL)
+
+
+def test_shared_prefix_gradients_equal_unshared():
+    """Gradients through the repeated prompt cache equal those of G separate full passes.
+
+    Taken w.r.t. every weight (`nnx.Param` includes `LoRAParam`), so both the LoRA case and
+    full fine-tuning are covered by one compiled pair.
+    """
+    model = _model(lora=True)
+    graphdef, params = nnx.split(model, nnx.Param)
+    batch = _batch()
+    mask = jnp.asarray(batch[3], jnp.float32)
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(B * G, T)), jnp.float32)
+
+    def objective(params, scorer):
+        logp, ent = scorer(nnx.merge(graphdef, params))
+        return jnp.sum((weights * logp + 0.3 * ent) * mask)
+
+    def shared(m):
+        return _shared(m, *batch)
+
+    def unshared(m):
+        p_ids, p_mask = np.repeat(batch[0], G, 0), np.repeat(batch[1], G, 0)
+        return lp.full_sequence_logprobs(m, p_ids, p_mask, *batch[2:], chunk_size=4)
+
+    g_shared = jax.jit(jax.grad(lambda p: objective(p, shared)))(params)
+    g_full = jax.jit(jax.grad(lambda p: objective(p, unshared)))(params)
+    paths_s = jax.tree_util.tree_flatten_with_path(g_shared)[0]
+    flat_f = jax.tree.leaves(g_full)
+    assert len(paths_s) == len(flat_f) > 0
+    assert any("lora" in jax.tree_util.keystr(p).lower() for p, _ in paths_s), "no LoRA grads"
+    for (path, gs), gf in zip(paths_s, flat_f, strict=True):
+        assert float(jnp.abs(gf).max()) > 1e-6, f"trivially zero gradient at {path}"
+        np.testing.assert_allclose(gs, gf, atol=ATOL, rtol=1e-4, err_msg=str(path))
+
+
+def _shapes(jaxpr):
+    """Every intermediate shape of a jaxpr, recursing into scan/remat/pjit bodies."""
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield getattr(var.aval, "shape", ())
+        for param in eqn.params.values():
+            for inner in param if isinstance(param, tuple | list) else (param,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    yield from _shapes(inner)
+
+
+def test_no_full_vocabulary_logits_for_the_whole_sequence():
+    """Forward and backward never hold logits for more than one chunk of positions."""
+    model = _model(lora=True)
+    graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
+    batch = _batch()
+    v = model.cfg.vocab_size
+    chunk = 2
+
+    def loss(params):
+        logp, ent = _shared(nnx.merge(graphdef, params, rest), *batch, chunk_size=chunk)
+        return jnp.sum(logp) + jnp.sum(ent)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params)
+    vocab_shapes = [s for s in _shapes(jaxpr.jaxpr) if len(s) >= 2 and s[-1] == v]
+    assert vocab_shapes, "expected some [..., V] logits"
+    biggest = max(int(np.prod(s[:-1])) for s in vocab_shapes)
+    assert biggest <= B * G * chunk, f"logits for {biggest} positions at once: {vocab_shapes}"
