@@ -102,6 +102,7 @@ class PerplexityReward:
       batch_size: sequences per jitted call (each sample needs two).
       strip_answer: score the reasoning only (answer spans removed) instead of the whole text.
       chunk: length chunk of the logits computation.
+      min_bucket: shortest padded length (larger: fewer distinct shapes, so fewer compilations).
     """
 
     def __init__(
@@ -113,12 +114,14 @@ class PerplexityReward:
         batch_size: int = 8,
         strip_answer: bool = True,
         chunk: int = 128,
+        min_bucket: int = 16,
     ):
         self.encode = _text_encoder(tokenizer)
         self.max_length = max_length
         self.batch_size = batch_size
         self.strip_answer = strip_answer
         self.chunk = chunk
+        self.min_bucket = min_bucket
         self.pad_id = int(getattr(tokenizer, "pad_id", 0) or 0)
         _, self.state = nnx.split(model)
         self._nll = sequence_nll_fn(model, chunk)
@@ -137,7 +140,7 @@ class PerplexityReward:
         for start in range(0, len(rows), self.batch_size):
             part = rows[start : start + self.batch_size]
             n = _bucket(len(part), 1, self.batch_size)
-            t = _bucket(max(len(ids) for ids, _ in part), 16, self.max_length)
+            t = _bucket(max(len(ids) for ids, _ in part), self.min_bucket, self.max_length)
             t = -(-t // min(self.chunk, t)) * min(self.chunk, t)  # A multiple of the chunk.
             ids = np.full((n, t), self.pad_id, np.int32)
             mask = np.zeros((n, t), np.int32)

@@ -1,0 +1,137 @@
+"""Delta-NLL perplexity reward on a tiny random Llama, against a NumPy computation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+from flax import nnx
+
+from jaxgrpo.models.config import ModelConfig
+from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.rewards import perplexity as ppl
+
+CORPUS = [
+    "Half of 48 is 24. So she sold 48 + 24 = 72 clips.",
+    "The train goes 80 km, then 65 km, then 50 km.",
+    "<reasoning> <answer> </answer> think step by step",
+]
+
+
+def _random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """Random weights drawn by NumPy into an abstract Transformer (norm scales = 1).
+
+    Eager ``Transformer(cfg, rngs=...)`` dispatches one jax.random call per parameter, which
+    took 17 s on the shared CI machine; the reward's correctness does not depend on the init.
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    graphdef, state = nnx.split(abstract)
+    rng = np.random.default_rng(seed)
+
+    def init(path, leaf):
+        if "scale" in jax.tree_util.keystr(path):
+            return jnp.ones(leaf.shape, leaf.dtype)
+        return jnp.asarray(rng.normal(0.0, 0.1, leaf.shape).astype(leaf.dtype))
+
+    return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(init, state))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 2-layer D=64 Llama with V=320 and a byte-level BPE tokenizer trained on CORPUS."""
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    trainer = tokenizers.trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    assert tok.get_vocab_size() <= 320
+    cfg = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2)
+    model = _random_model(cfg)
+    graphdef, state = nnx.split(model)
+    forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
+    # One shared reward instance, so its jitted function compiles once for the tests below.
+    reward = ppl.make_perplexity_reward(model, tok, batch_size=2, chunk=16, min_bucket=64)
+    return model, tok, (lambda ids: forward(state, ids)), reward
+
+
+def _numpy_nll(tiny, prompt: str, text: str, max_length: int) -> float:
+    """Mean -log p of `text`'s tokens after prompt || <reasoning>, from one row's logits.
+
+    The row is right-padded to 64 with no attention mask: causal attention keeps the logits of
+    the real prefix exact, and one fixed shape keeps the reference to a single compilation.
+    """
+    _, tok, forward, _ = tiny
+    enc = lambda s: tok.encode(s, add_special_tokens=False).ids
+    head = enc(prompt) + enc(ppl.SEPARATOR)
+    ids = (head + enc(text))[:max_length]
+    assert len(ids) <= 64, len(ids)
+    padded = np.zeros((1, 64), np.int32)
+    padded[0, : len(ids)] = ids
+    logits = np.asarray(forward(padded), np.float64)[0, : len(ids)]
+    z = logits - logits.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    scored = [-logp[j - 1, ids[j]] for j in range(len(head), len(ids))]
+    return float(np.mean(scored)) if scored else float("nan")
+
+
+def test_reward_equals_numpy_from_model_logits(tiny):
+    """tanh(NLL_ref - NLL_gen) per sample, with batching/padding/chunking across rows of
+    different lengths (batch_size=2 forces several calls and a row-padded last call)."""
+    prompts = ["Q: 48 clips?", "Q: how far does the train go in total, in km?", "Q: x", "Q: y"]
+    completions = [
+        "Half of 48 is 24. <answer>72</answer>",
+        "80 + 65 + 50 = 195 km, so 195 km. <answer>195</answer>",
+        "<answer>1</answer>",  # Empty reasoning: -1.
+        "step by step",
+    ]
+    reference = ["So she sold 48 + 24 = 72 clips.", "The train goes 195 km.", "ref", None]
+    reward = tiny[3]
+    got = reward(prompts, completions, reference=reference)
+
+    gens = [ppl.reasoning_text(c) for c in completions]
+    for i in range(2):
+        want = np.tanh(
+            _numpy_nll(tiny, prompts[i], reference[i], 2048)
+            - _numpy_nll(tiny, prompts[i], gens[i], 2048)
+        )
+        assert got[i] == pytest.approx(want, abs=1e-4), (i, got[i], want)
+    assert got[2] == -1.0 and got[3] is None
+    assert -1.0 < got[0] < 1.0 and got[0] != got[1]
+
+
+def test_truncation_to_max_length(tiny):
+    """Sequences are cut to max_length tokens; the average covers the surviving text tokens,
+    and a reference with no surviving token scores None."""
+    model, tok = tiny[:2]
+    prompt, ref, gen = "Q: 48 clips?", "So she sold 72 clips. " * 4, "Half of 48 is 24. " * 4
+    reward = ppl.make_perplexity_reward(model, tok, max_length=24, chunk=16)
+    want = np.tanh(_numpy_nll(tiny, prompt, ref, 24) - _numpy_nll(tiny, prompt, gen, 24))
+    assert reward([prompt], [gen], reference=[ref])[0] == pytest.approx(want, abs=1e-4)
+    long_prompt = "Q: " + "48 clips " * 30
+    assert reward([long_prompt], [gen], reference=[ref]) == [None]
+
+
+def test_sign_more_likely_generation_scores_positive(tiny):
+    """Generating the reference itself gives delta = 0; a text the model finds likelier than the
+    reference (here: the reference's own most-repeated token) scores > 0, and vice versa."""
+    reward = tiny[3]
+    prompt, ref = "Q: 48 clips?", "So she sold 48 + 24 = 72 clips."
+    assert reward([prompt], [ref], reference=[ref])[0] == pytest.approx(0.0, abs=1e-6)
+    nll_ref, nll_alt = reward.nll([prompt, prompt], [ref, "clips clips clips"])
+    r = reward([prompt], ["clips clips clips"], reference=[ref])[0]
+    assert np.sign(r) == np.sign(nll_ref - nll_alt) and r != 0.0
+
+
+def test_registry_form_caches_per_model_and_requires_model(tiny):
+    model, tok = tiny[:2]
+    with pytest.raises(ValueError, match="needs the frozen base model"):
+        ppl.perplexity(["p"], ["c"], reference=["r"])
+    a = ppl.perplexity(
+        ["Q: 48 clips?"], ["Half of 48"], reference=["So 72"], model=model, tokenizer=tok
+    )
+    b = ppl.perplexity(
+        ["Q: 48 clips?"], ["Half of 48"], reference=["So 72"], model=model, tokenizer=tok
+    )
+    assert a == b and len(ppl._CACHE[model]) == 1
