@@ -25,8 +25,10 @@ checks they reproduce the tensor.
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import re
+import struct
 from collections.abc import Callable
 
 import numpy as np
@@ -128,6 +130,117 @@ def _llama3_scaling(rope_freqs: np.ndarray, head_dim: int, theta: float, ctx: in
     )
 
 
+def dequantize(data: np.ndarray, qtype) -> np.ndarray:
+    """Dequantize one GGUF tensor's raw rows to float32 (torch layout).
+
+    Q8_0 / Q4_0 / Q4_1 (the types of the common small-model files) take a vectorised path about
+    3x faster than ``gguf.quants.dequantize``, which handles every other type. Block layouts
+    (ggml-common.h), 32 values per block: Q8_0 = f16 d + 32 int8 (x = d q); Q4_0 = f16 d + 16
+    bytes of nibbles, low nibbles first (x = d (q - 8)); Q4_1 = f16 d, f16 m + nibbles
+    (x = d q + m).
+    """
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize as gguf_dequantize
+
+    if qtype not in (Q.Q8_0, Q.Q4_0, Q.Q4_1):
+        return np.asarray(gguf_dequantize(data, qtype), dtype=np.float32)
+    block = {Q.Q8_0: 34, Q.Q4_0: 18, Q.Q4_1: 20}[qtype]
+    rows = data.reshape(-1, block)
+    d = rows[:, :2].copy().view(np.float16).astype(np.float32)
+    if qtype == Q.Q8_0:
+        x = rows[:, 2:].view(np.int8).astype(np.float32) * d
+    else:
+        nibbles = rows[:, block - 16 :]
+        q = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=1).astype(np.float32)
+        if qtype == Q.Q4_0:
+            x = (q - 8.0) * d
+        else:
+            x = q * d + rows[:, 2:4].copy().view(np.float16).astype(np.float32)
+    return x.reshape(*data.shape[:-1], -1)
+
+
+# GGUF value types (gguf spec): scalar struct formats, 8 = string, 9 = array.
+_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    """Sequential little-endian reads over the file's header bytes."""
+
+    def __init__(self, buf):
+        self.buf, self.pos = buf, 0
+
+    def scalar(self, fmt: str):
+        (value,) = struct.unpack_from("<" + fmt, self.buf, self.pos)
+        self.pos += struct.calcsize(fmt)
+        return value
+
+    def string(self) -> str:
+        n = self.scalar("Q")
+        self.pos += n
+        return self.buf[self.pos - n : self.pos].decode("utf-8", errors="replace")
+
+    def value(self, vtype: int):
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, n = self.scalar("I"), self.scalar("Q")
+            if etype in _SCALARS and etype != 7:
+                fmt = _SCALARS[etype]
+                values = struct.unpack_from(f"<{n}{fmt}", self.buf, self.pos)
+                self.pos += n * struct.calcsize(fmt)
+                return list(values)
+            return [self.value(etype) for _ in range(n)]
+        return self.scalar(_SCALARS[vtype])
+
+
+def read_gguf_header(path: str) -> tuple[dict, dict, int]:
+    """Parse a GGUF (v2/v3) header: metadata, tensor infos and the data offset.
+
+    ``gguf.GGUFReader`` wraps every metadata array element in a numpy view, which took ~10 s for
+    SmolLM2's 100k tokenizer strings; plain ``struct`` reads take well under a second.
+
+    Returns:
+      ``(metadata, tensors, data_start)``: ``{key: value}``, ``{name: (ggml_dims, type, offset)}``
+      (dims innermost first, as ggml orders them) and the byte offset of tensor data.
+    """
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file (bad magic).")
+        return _parse_header(_Cursor(buf), path)
+
+
+def _parse_header(cur: _Cursor, path: str) -> tuple[dict, dict, int]:
+    cur.pos = 4
+    version = cur.scalar("I")
+    if version < 2:
+        raise ValueError(f"GGUF version {version} of {path} is not supported (need 2 or 3).")
+    n_tensors, n_kv = cur.scalar("Q"), cur.scalar("Q")
+    metadata = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("I"))
+    tensors = {}
+    for _ in range(n_tensors):
+        name = cur.string()
+        dims = tuple(cur.scalar("Q") for _ in range(cur.scalar("I")))
+        tensors[name] = (dims, cur.scalar("I"), cur.scalar("Q"))
+    align = metadata.get("general.alignment", 32)
+    return metadata, tensors, -(-cur.pos // align) * align
+
+
 class GGUFCheckpoint:
     """A GGUF file seen through Hugging Face names; tensors dequantized on demand.
 
@@ -137,19 +250,17 @@ class GGUFCheckpoint:
     """
 
     def __init__(self, path: str | os.PathLike):
-        import gguf  # deferred: importing gguf costs ~1 s and only this path needs it
-
         self.path = os.fspath(path)
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        self._reader = gguf.GGUFReader(self.path)
+        self._meta, self._tensors, self._data_start = read_gguf_header(self.path)
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         self.architecture = self.meta("general.architecture")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
                 f"Unsupported architecture {self.architecture!r} in {self.path}; "
                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}."
             )
-        self._tensors = {t.name: t for t in self._reader.tensors}
         self._hf_to_gguf = {}
         for name in self._tensors:
             hf_name = gguf_to_hf_name(name)
@@ -160,8 +271,7 @@ class GGUFCheckpoint:
 
     def meta(self, key: str, default=None):
         """A metadata value (int, float, bool, str or list), or ``default`` when absent."""
-        field = self._reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self._meta.get(key, default)
 
     def _arch_meta(self, key: str, default=None):
         return self.meta(f"{self.architecture}.{key}", default)
@@ -171,10 +281,24 @@ class GGUFCheckpoint:
         return list(self._hf_to_gguf)
 
     def _raw(self, gguf_name: str) -> np.ndarray:
-        from gguf.quants import dequantize
+        """One tensor as float32 with numpy dims (outermost first); memory-mapped until used."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        t = self._tensors[gguf_name]
-        return np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        dims, qtype, offset = self._tensors[gguf_name]
+        qtype = GGMLQuantizationType(qtype)
+        block, block_bytes = GGML_QUANT_SIZES[qtype]
+        shape = tuple(reversed(dims))
+        row_bytes = shape[-1] // block * block_bytes
+        begin = self._data_start + offset
+        raw = self._map[begin : begin + row_bytes * math.prod(shape[:-1])]
+        raw = raw.reshape(*shape[:-1], row_bytes)
+        if qtype == GGMLQuantizationType.F32:
+            return raw.view(np.float32)
+        if qtype == GGMLQuantizationType.F16:
+            return raw.view(np.float16).astype(np.float32)
+        if qtype == GGMLQuantizationType.BF16:
+            return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        return dequantize(raw, qtype)
 
     def get_tensor(self, hf_name: str) -> np.ndarray:
         """Dequantized float32 tensor in torch layout (weights [out, in]).
@@ -202,7 +326,7 @@ class GGUFCheckpoint:
         )
         theta = float(self._arch_meta("rope.freq_base", 10000.0))
         ctx = self._arch_meta("context_length", 2048)
-        vocab = self._arch_meta("vocab_size") or self._tensors["token_embd.weight"].shape[-1]
+        vocab = self._arch_meta("vocab_size") or self._tensors["token_embd.weight"][0][-1]
         hf_arch, model_type = _HF_ARCH[self.architecture]
         config = {
             "architectures": [hf_arch],

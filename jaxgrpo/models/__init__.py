@@ -1,0 +1,283 @@
+"""Models: the Llama/Qwen decoder, LoRA, checkpoint loading and tokenizers.
+
+    from jaxgrpo.models import load_model
+    model, tokenizer = load_model("path/to/hf_dir" | "org/name" | "model.gguf")
+    logits_BTV = model(ids_BP, attention_mask=mask_BP)
+
+``load_model`` reads the architecture from ``config.json`` (or GGUF metadata), builds a
+``Transformer`` (sharded at creation when a mesh is given, see ``jaxgrpo.sharding``), then fills
+it tensor family by tensor family from memory-mapped files (``weights.load_hf_tensors``), so the
+checkpoint is never read whole into host memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import struct
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.tokenizer import Tokenizer
+from jaxgrpo.models.transformer import Transformer
+
+__all__ = ["LoRAConfig", "ModelConfig", "Tokenizer", "Transformer", "load_model", "read_source"]
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def _st_dtypes() -> dict:
+    import ml_dtypes  # a jax dependency; numpy itself has no bfloat16
+
+    return {
+        "F64": np.float64,
+        "F32": np.float32,
+        "F16": np.float16,
+        "BF16": ml_dtypes.bfloat16,
+        "I64": np.int64,
+        "I32": np.int32,
+        "I16": np.int16,
+        "I8": np.int8,
+        "U8": np.uint8,
+        "BOOL": np.bool_,
+    }
+
+
+class SafetensorsFiles:
+    """Memory-mapped tensors of one or several ``.safetensors`` files, by name.
+
+    The format is an 8-byte little-endian header size, a JSON header of
+    ``{name: {dtype, shape, data_offsets}}``, then raw row-major bytes; reading it directly lets
+    bfloat16 tensors map to ``ml_dtypes.bfloat16`` without going through torch or jax.
+    """
+
+    def __init__(self, paths: list[str]):
+        dtypes = _st_dtypes()
+        self._maps: dict[str, np.memmap] = {}
+        self._index: dict[str, tuple] = {}
+        for path in paths:
+            with open(path, "rb") as f:
+                (size,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(size))
+            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
+            for name, info in header.items():
+                if name != "__metadata__":
+                    begin, end = info["data_offsets"]
+                    dtype = dtypes[info["dtype"]]
+                    start = 8 + size
+                    self._index[name] = (path, dtype, info["shape"], start + begin, start + end)
+
+    def names(self) -> list[str]:
+        return list(self._index)
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        """The tensor as a read-only memory-mapped array (KeyError when absent)."""
+        path, dtype, shape, begin, end = self._index[name]
+        return self._maps[path][begin:end].view(dtype).reshape(shape)
+
+
+def _safetensors_paths(directory: str) -> list[str]:
+    """The weight files of a Hugging Face directory (sharded with an index, or single)."""
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        paths = [os.path.join(directory, s) for s in shards]
+        for p in paths:
+            if not os.path.isfile(p):
+                raise FileNotFoundError(f"Shard {p} listed in {index} is missing.")
+        return paths
+    single = os.path.join(directory, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    raise FileNotFoundError(f"No model.safetensors or model.safetensors.index.json in {directory}.")
+
+
+def _download(repo_id: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+
+        patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
+        return snapshot_download(repo_id, allow_patterns=patterns)
+    except Exception as e:
+        raise OSError(
+            f"{repo_id!r} is not a local path and could not be fetched from the Hugging Face "
+            f"hub ({type(e).__name__}: {e}). Pass a local directory or a .gguf file."
+        ) from e
+
+
+def _resolve(source: str | os.PathLike) -> tuple[str, str]:
+    """("gguf" | "hf", local path) for a path, a .gguf file or a hub id."""
+    path = os.path.expanduser(os.fspath(source))
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return "gguf", path
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return "gguf", path
+        raise ValueError(f"{path} is a file but not a GGUF; pass a directory or a .gguf file.")
+    if os.path.isdir(path):
+        return "hf", path
+    if path.endswith(".gguf") or not _HUB_ID.match(path):
+        raise FileNotFoundError(
+            f"Model source not found: {path} (expected a Hugging Face directory, a .gguf file "
+            "or a hub id 'org/name')."
+        )
+    return "hf", _download(path)
+
+
+def read_source(
+    source: str | os.PathLike,
+) -> tuple[dict, Callable[[str], np.ndarray], Callable[[], Tokenizer]]:
+    """Open a checkpoint without building a model.
+
+    Args:
+      source: Hugging Face directory, hub id, or .gguf file.
+
+    Returns:
+      ``(hf_config, get_tensor, make_tokenizer)``: the ``config.json`` dict, a lazy
+      ``get_tensor(hf_name) -> np.ndarray`` in torch layout, and a tokenizer factory.
+    """
+    kind, path = _resolve(source)
+    if kind == "gguf":
+        from jaxgrpo.models.gguf import GGUFCheckpoint
+
+        ckpt = GGUFCheckpoint(path)
+        return ckpt.hf_config(), ckpt.get_tensor, lambda: Tokenizer.from_gguf(ckpt)
+    config_path = os.path.join(path, "config.json")
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"No config.json in {path}.")
+    with open(config_path, encoding="utf-8") as f:
+        hf = json.load(f)
+    files = SafetensorsFiles(_safetensors_paths(path))
+
+    def make_tokenizer() -> Tokenizer:
+        if not any(os.path.isfile(os.path.join(path, n)) for n in _TOKENIZER_FILES):
+            raise FileNotFoundError(
+                f"No tokenizer files ({', '.join(_TOKENIZER_FILES)}) in {path}; "
+                "pass tokenizer=<directory or .gguf>."
+            )
+        return Tokenizer.from_pretrained(path)
+
+    return hf, files.get_tensor, make_tokenizer
+
+
+def _as_lora(lora) -> LoRAConfig | None:
+    if lora is None or isinstance(lora, LoRAConfig):
+        return lora
+    lora = dict(lora)
+    if "targets" in lora:
+        lora["targets"] = tuple(lora["targets"])
+    return LoRAConfig(**lora)
+
+
+def _as_tokenizer(tokenizer, make_tokenizer: Callable[[], Tokenizer]) -> Tokenizer:
+    if tokenizer is None:
+        return make_tokenizer()
+    if isinstance(tokenizer, Tokenizer):
+        return tokenizer
+    path = os.fspath(tokenizer)
+    return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_pretrained(path)
+
+
+def _empty_model(cfg: ModelConfig, seed: int) -> Transformer:
+    """A Transformer whose base weights are host zeros, to be overwritten by the checkpoint.
+
+    Initialising 135M random weights only to discard them took longer than reading the GGUF.
+    The base state is shaped abstractly (``nnx.eval_shape``) and filled with ``np.zeros``
+    (pages the OS allocates lazily), which ``load_hf_tensors`` overwrites in place and
+    ``load_model`` then moves to the device; LoRA adapters do need their random A, so their state is
+    built under jit, where XLA drops the unused base initialisers.
+    """
+    from flax import nnx
+
+    def build():
+        return Transformer(cfg, rngs=nnx.Rngs(seed))
+
+    graphdef, lora, base = nnx.split(nnx.eval_shape(build), nnx.LoRAParam, ...)
+    if cfg.lora is not None:
+        lora = jax.jit(lambda: nnx.state(build(), nnx.LoRAParam))()
+    base = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), base)
+    return nnx.merge(graphdef, lora, base)
+
+
+def load_model(
+    source: str | os.PathLike,
+    dtype: str = "float32",
+    lora: LoRAConfig | dict | None = None,
+    mesh=None,
+    rules=None,
+    *,
+    param_dtype: str | None = None,
+    tokenizer=None,
+    remat: bool = False,
+    seed: int = 0,
+) -> tuple[Transformer, Tokenizer]:
+    """Load a Llama/Qwen checkpoint and its tokenizer.
+
+    Args:
+      source: a Hugging Face directory (config.json plus model.safetensors, or shards with
+        model.safetensors.index.json), a hub id (downloaded when the hub is reachable), or a
+        .gguf file.
+      dtype: compute dtype, "float32" or "bfloat16"; also the parameter dtype unless
+        ``param_dtype`` is given.
+      lora: adapters to add (``LoRAConfig`` or its fields as a dict), B = 0 so the loaded model
+        is unchanged until trained.
+      mesh: a ``jax.sharding.Mesh``: parameters are created sharded by ``rules`` and each tensor
+        family is put straight into its sharding. None: one device.
+      rules: logical axis rules (default ``jaxgrpo.sharding.TRAIN_RULES``).
+      param_dtype: storage dtype of the weights when it differs from ``dtype``.
+      tokenizer: override the checkpoint's tokenizer (a ``Tokenizer``, directory or .gguf).
+      remat: recompute each block in the backward pass.
+      seed: seed of the LoRA A initialisation.
+
+    Returns:
+      ``(model, tokenizer)``.
+
+    Raises:
+      FileNotFoundError: the source, its config.json, weights or tokenizer files are missing.
+      ValueError: unsupported architecture (lists the supported ones), a mis-shaped tensor, or a
+        tokenizer with more tokens than the embedding has rows.
+      KeyError: a tensor the architecture needs is absent (named, with its expected shape).
+    """
+    from flax import nnx
+
+    from jaxgrpo.models.weights import load_hf_tensors
+
+    start = time.perf_counter()
+    hf, get_tensor, make_tokenizer = read_source(source)
+    cfg = ModelConfig.from_hf_config(
+        hf, param_dtype=param_dtype or dtype, dtype=dtype, lora=_as_lora(lora), remat=remat
+    )
+    tok = _as_tokenizer(tokenizer, make_tokenizer)
+    if tok.vocab_size > cfg.vocab_size:
+        raise ValueError(
+            f"Tokenizer vocabulary ({tok.vocab_size} tokens) does not fit the model's embedding "
+            f"({cfg.vocab_size} rows) for {source}."
+        )
+    if mesh is None:
+        model = _empty_model(cfg, seed)
+    else:
+        from jaxgrpo import sharding
+
+        model = sharding.create_sharded_model(cfg, mesh, rules or sharding.TRAIN_RULES, seed)
+    load_hf_tensors(model, get_tensor)
+    if mesh is None:
+        # Variables holding host arrays were filled in place; move them to the device.
+        state = nnx.state(model)
+        nnx.update(model, jax.tree.map(jax.numpy.asarray, state))
+    logging.getLogger(__name__).info(
+        "Loaded %s (%s, %d layers) in %.1f s",
+        source,
+        cfg.arch,
+        cfg.num_layers,
+        time.perf_counter() - start,
+    )
+    return model, tok
