@@ -32,7 +32,14 @@ EXTRAS = {
         "chex==0.1.92",
         "hypothesis==6.170.17",
         "ruff==0.17.6",
+        "peft==0.21.2",
+        "nbclient==0.11.0",
+        "nbformat==5.11.1",
+        "ipykernel==7.4.0",
     ],
+    # Peers for benchmarks/ (not needed by the tests).
+    "bench": ["torch==2.13.0", "trl==1.16.0", "peft==0.21.2", "accelerate==1.15.0", "datasets==5.2.0"],
+    "data": ["datasets==5.2.0"],
     "tpu": ["jax[tpu]==0.10.2"],
     "gpu": ["jax[cuda12]==0.10.2"],
 }
