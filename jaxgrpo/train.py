@@ -275,6 +275,27 @@ def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, in
     return state, latest, int(meta["data_cursor"])
 
 
+def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> list[tuple]:
+    """Binds the frozen base model to model-based rewards (``perplexity``).
+
+    Built now, before training touches anything: the reward snapshots the weights, and a fresh
+    model's LoRA B is zero, so it scores under the base policy for the whole run.
+    """
+    out = []
+    for spec in specs:
+        if spec[0] == "perplexity":
+            from jaxgrpo.rewards.perplexity import make_perplexity_reward
+
+            scorer = make_perplexity_reward(model, tokenizer, **(spec[2] if len(spec) > 2 else {}))
+
+            def perplexity(prompts, completions, _scorer=scorer, **columns):
+                return _scorer(prompts, completions, **columns)
+
+            spec = (perplexity, spec[1])
+        out.append(spec)
+    return out
+
+
 def build_parts(cfg: TrainConfig) -> dict[str, Any]:
     """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
     import jax
@@ -293,7 +314,8 @@ def build_parts(cfg: TrainConfig) -> dict[str, Any]:
     mesh = sharding.make_mesh(shape)
     model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
     task = build_task(cfg.task)
-    rewards = RewardSet(cfg.rewards.functions, on_error=cfg.rewards.reward_on_error)
+    specs = bind_model_rewards(cfg.rewards.functions, model, tokenizer)
+    rewards = RewardSet(specs, on_error=cfg.rewards.reward_on_error)
     learner = Learner(cfg, model, tokenizer, task, rewards, mesh)
     return {"learner": learner, "task": task, "mesh": mesh}
 

@@ -138,3 +138,16 @@ def test_build_task_applies_the_task_section():
         train.build_task(load_config("tiny", {"task.prompt_template": "r1"}).task)
     with pytest.raises(ConfigError, match="config key 'task'"):
         train.build_task(load_config("tiny", {"task.name": "no_such_task"}).task)
+
+
+def test_perplexity_reward_gets_the_frozen_base_model():
+    from jaxgrpo.models.config import LoRAConfig
+    from jaxgrpo.rewards import RewardSet
+    from jaxgrpo.rl.tiny import tiny_model
+
+    model, tokenizer = tiny_model(LoRAConfig(rank=4, alpha=8.0))
+    specs = train.bind_model_rewards([("perplexity", 2.0), ("format_copy", 0.5)], model, tokenizer)
+    assert specs[1] == ("format_copy", 0.5)
+    assert callable(specs[0][0]) and specs[0][1] == 2.0
+    # Scoring compiles the model (tens of seconds here); the reported name is what matters.
+    assert RewardSet(specs).weights(0) == {"perplexity": 2.0, "format_copy": 0.5}
