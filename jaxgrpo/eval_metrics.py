@@ -1,0 +1,278 @@
+"""Pure evaluation figures: strict/lenient accuracy, format rate, pass@k, lengths, doom loops.
+
+Everything here is a function of strings and numbers (no model, no JAX), so the figures that
+``python -m jaxgrpo.evaluate`` reports are tested on hand-made completions.
+
+Definitions (one prompt has ``n`` sampled completions; figures average over all samples unless
+they say otherwise):
+
+* strict: the seed study's hard reward, ``jaxgrpo.rewards.math.exact_answer``: the content of
+  the last ``<answer>`` tag equals the reference answer.
+* lenient: strict, or the final number anywhere in the completion equals the reference. This is
+  what the seed study's LLM-as-judge recovered from badly formatted answers ("... so she has 25
+  apples." with no tags). Non-numeric references (JEE letters, LaTeX) are matched on the answer
+  tag or the last ``\\boxed{}``.
+* format: exactly one well-formed, non-empty ``<answer>`` pair (``rewards.format.single_answer``).
+* pass@k: the unbiased estimator of Chen et al. (2021), ``1 - C(n-c, k) / C(n, k)`` for ``c``
+  strictly correct samples out of ``n``, averaged over prompts; mean@n is ``c / n`` averaged.
+* doom loop: the completion hit the length limit and its tail is one short block of tokens
+  (or words) repeated many times, the ``</answer> </answer> ...`` failure of the seed study.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxgrpo.rewards.format import single_answer
+from jaxgrpo.rewards.math import (
+    answers_match,
+    exact_answer,
+    extract_answer,
+    last_boxed,
+    parse_number,
+    reference_answer,
+)
+
+# A tail of >= _LOOP_REPEATS copies of one block of <= _LOOP_MAX_N tokens is a doom loop.
+_LOOP_MAX_N = 8
+_LOOP_REPEATS = 4
+
+
+def final_number(text: str) -> str | None:
+    """The last whitespace-separated token of ``text`` that states a single number, or None.
+
+    Tags are removed first, so ``<answer>25</answer>`` and ``... is 25.`` both give ``25``.
+    Parsing is ``jaxgrpo.rewards.math.parse_number`` (commas, currency, units, fractions).
+    """
+    text = text.replace("<answer>", " ").replace("</answer>", " ")
+    for token in reversed(text.split()):
+        if parse_number(token) is not None:
+            return token
+    return None
+
+
+def is_strict(completion: str, reference: Any) -> bool:
+    """The ``exact_answer`` reward is 1: the last ``<answer>`` tag holds the reference."""
+    (score,) = exact_answer([""], [completion], answer=[reference])
+    return score is not None and score >= 1.0
+
+
+def is_lenient(completion: str, reference: Any) -> bool:
+    """Strict, or the final number (or, for non-numeric references, the last ``\\boxed{}``)
+    in the completion matches the reference."""
+    if is_strict(completion, reference):
+        return True
+    if reference is None or not str(reference).strip():
+        return False
+    ref = reference_answer(str(reference))
+    if parse_number(ref) is not None:
+        return answers_match(final_number(completion), ref)
+    return answers_match(last_boxed(completion), ref)
+
+
+def is_formatted(completion: str) -> bool:
+    """Exactly one well-formed ``<answer>`` pair with non-empty content."""
+    content = single_answer(completion)
+    return content is not None and bool(content.strip())
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one prompt: ``1 - C(n-c, k) / C(n, k)``.
+
+    Computed as ``1 - prod_{i=n-c+1}^{n} (1 - k / i)`` (Chen et al. 2021), which never forms
+    the binomials, so it stays exact in floating point for large n.
+
+    Args:
+      n: samples drawn for the prompt.
+      c: how many of them are correct (0 <= c <= n).
+      k: the budget (1 <= k <= n).
+    """
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"need 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    if n - c < k:
+        return 1.0
+    i = np.arange(n - c + 1, n + 1, dtype=np.float64)
+    return float(1.0 - np.prod(1.0 - k / i))
+
+
+def pass_at_all_k(correct_BG: np.ndarray) -> dict[int, float]:
+    """``{k: mean over prompts of pass@k}`` for every k in 1..G.
+
+    Args:
+      correct_BG: bool [B, G], sample g of prompt b is correct.
+    """
+    g = correct_BG.shape[1]
+    counts = correct_BG.sum(axis=1)
+    return {k: float(np.mean([pass_at_k(g, int(c), k) for c in counts])) for k in range(1, g + 1)}
+
+
+def tail_repeat(seq: Sequence[Hashable], max_n: int = _LOOP_MAX_N, repeats: int = _LOOP_REPEATS):
+    """Whether ``seq`` ends in ``repeats`` or more consecutive copies of a block of <= max_n items.
+
+    Args:
+      seq: token ids or words.
+      max_n: longest block length considered.
+      repeats: copies needed.
+    """
+    seq = list(seq)
+    for n in range(1, max_n + 1):
+        span = n * repeats
+        if span > len(seq):
+            break
+        tail = seq[-span:]
+        if all(tail[i] == tail[i % n] for i in range(span)):
+            return True
+    return False
+
+
+def length_stats(lengths: np.ndarray) -> dict[str, float]:
+    """mean / median / p90 / max of completion lengths (NaN for an empty set)."""
+    lengths = np.asarray(lengths, np.float64)
+    if lengths.size == 0:
+        return {"mean": float("nan"), "median": float("nan"), "p90": float("nan"), "max": 0.0}
+    return {
+        "mean": float(lengths.mean()),
+        "median": float(np.median(lengths)),
+        "p90": float(np.percentile(lengths, 90)),
+        "max": float(lengths.max()),
+    }
+
+
+def score_samples(
+    completions: Sequence[str],
+    references: Sequence[Any],
+    num_samples: int,
+    *,
+    lengths: Sequence[int] | None = None,
+    truncated: Sequence[bool] | None = None,
+    tokens: Sequence[Sequence[int]] | None = None,
+) -> list[dict[str, Any]]:
+    """One JSON-ready record per completion.
+
+    Args:
+      completions: [B * G] texts, grouped by prompt (prompt b -> rows b*G .. b*G+G-1).
+      references: [B] reference answers.
+      num_samples: G.
+      lengths: [B * G] completion lengths in tokens (default: words).
+      truncated: [B * G] hit the length limit (default: all False).
+      tokens: [B * G] token ids for the loop check (default: words).
+
+    Returns:
+      Dicts with prompt, sample, completion, reference, length, truncated, strict, lenient,
+      formatted, repeat (tail loop) and doom_loop (repeat and truncated).
+    """
+    if len(completions) != len(references) * num_samples:
+        raise ValueError(
+            f"{len(completions)} completions for {len(references)} prompts x {num_samples} samples"
+        )
+    records = []
+    for i, text in enumerate(completions):
+        ref = references[i // num_samples]
+        seq = tokens[i] if tokens is not None else text.split()
+        cut = bool(truncated[i]) if truncated is not None else False
+        loop = tail_repeat(seq)
+        records.append(
+            {
+                "prompt": i // num_samples,
+                "sample": i % num_samples,
+                "completion": text,
+                "reference": None if ref is None else str(ref),
+                "answer": extract_answer(text),
+                "length": int(lengths[i]) if lengths is not None else len(text.split()),
+                "truncated": cut,
+                "strict": is_strict(text, ref),
+                "lenient": is_lenient(text, ref),
+                "formatted": is_formatted(text),
+                "repeat": loop,
+                "doom_loop": loop and cut,
+            }
+        )
+    return records
+
+
+def summarize(records: Sequence[dict[str, Any]], num_samples: int) -> dict[str, Any]:
+    """Every figure of one evaluation from its per-sample records.
+
+    Returns:
+      strict / lenient / format / judge (if judged) rates, ``pass@k`` (strict) for every k <= G,
+      ``lenient_pass@G``, ``mean@G``, truncation / repeat / doom-loop rates, and
+      ``length`` / ``length_correct`` / ``length_incorrect`` stats.
+    """
+    g = num_samples
+    col = lambda key: np.asarray([r[key] for r in records], bool)  # noqa: E731
+    strict, lenient = col("strict"), col("lenient")
+    lengths = np.asarray([r["length"] for r in records], np.float64)
+    out: dict[str, Any] = {
+        "num_prompts": len(records) // g,
+        "num_samples": g,
+        "strict": float(strict.mean()),
+        "lenient": float(lenient.mean()),
+        "format": float(col("formatted").mean()),
+        "truncated": float(col("truncated").mean()),
+        "repeat": float(col("repeat").mean()),
+        "doom_loop": float(col("doom_loop").mean()),
+        f"mean@{g}": float(strict.mean()),
+    }
+    if records and "judge" in records[0]:
+        out["judge"] = float(col("judge").mean())
+    for k, v in pass_at_all_k(strict.reshape(-1, g)).items():
+        out[f"pass@{k}"] = v
+    out[f"lenient_pass@{g}"] = pass_at_all_k(lenient.reshape(-1, g))[g]
+    out["length"] = length_stats(lengths)
+    out["length_correct"] = length_stats(lengths[strict])
+    out["length_incorrect"] = length_stats(lengths[~strict])
+    return out
+
+
+def default_columns(runs: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, str, str]]:
+    """The seed study's layout: strict, lenient and pass@G for the first task, strict after.
+
+    Args:
+      runs: ``{run label: {task name: summary}}``.
+
+    Returns:
+      ``[(task, figure key, column header)]``.
+    """
+    tasks: list[str] = []
+    for per_task in runs.values():
+        tasks += [t for t in per_task if t not in tasks]
+    columns = []
+    for i, task in enumerate(tasks):
+        label = {"gsm8k": "GSM8K", "jeebench": "JEE"}.get(task, task)
+        if i == 0:
+            g = next(r[task]["num_samples"] for r in runs.values() if task in r)
+            columns += [(task, "strict", f"{label} strict"), (task, "lenient", f"{label} lenient")]
+            columns.append((task, f"pass@{g}", f"{label} pass@{g}"))
+        else:
+            columns.append((task, "strict", label))
+    return columns
+
+
+def markdown_table(
+    runs: dict[str, dict[str, dict[str, Any]]],
+    columns: Sequence[tuple[str, str, str]] | None = None,
+) -> str:
+    """Runs side by side: one row per run, accuracies in percent with one decimal.
+
+    Args:
+      runs: ``{run label: {task name: summary from summarize()}}``, rows in dict order.
+      columns: ``[(task, figure key, header)]``; default ``default_columns(runs)``.
+
+    Returns:
+      A GitHub Markdown table; a missing figure prints as ``-``.
+    """
+    columns = list(columns) if columns is not None else default_columns(runs)
+    lines = [
+        "| " + " | ".join(["strategy"] + [c[2] for c in columns]) + " |",
+        "|" + "---|" + "---:|" * len(columns),
+    ]
+    for label, per_task in runs.items():
+        cells = []
+        for task, key, _ in columns:
+            value = per_task.get(task, {}).get(key)
+            cells.append("-" if value is None else f"{100.0 * value:.1f}")
+        lines.append("| " + " | ".join([label] + cells) + " |")
+    return "\n".join(lines) + "\n"
