@@ -274,7 +274,7 @@ class SentenceEncoder:
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Right-padded ids [N, S] and mask [N, S] (int32), S a power-of-two bucket."""
         encodings = self.tokenizer.encode_batch(list(texts))
-        s = _bucket(max(len(e.ids) for e in encodings), 16, self.max_length)
+        s = _bucket(max(len(e.ids) for e in encodings), 32, self.max_length)
         ids = np.zeros((len(texts), s), np.int32)
         mask = np.zeros((len(texts), s), np.int32)
         for i, e in enumerate(encodings):

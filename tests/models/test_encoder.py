@@ -21,7 +21,9 @@ def minilm():
         path = enc.default_encoder_path()
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    encoder = enc.SentenceEncoder.from_pretrained(path)
+    from jaxgrpo.rewards.embedding import load_encoder
+
+    encoder = load_encoder()  # The embedding reward's cached instance: loaded once per run.
     # One batch of 6 rows padded to 8 and to the 256-token bucket, shared by the tests below.
     return path, encoder, encoder.encode(SENTENCES)
 
