@@ -141,11 +141,17 @@ def test_build_task_applies_the_task_section():
 
 
 def test_perplexity_reward_gets_the_frozen_base_model():
-    from jaxgrpo.models.config import LoRAConfig
-    from jaxgrpo.rewards import RewardSet
-    from jaxgrpo.rl.tiny import tiny_model
+    from flax import nnx
 
-    model, tokenizer = tiny_model(LoRAConfig(rank=4, alpha=8.0))
+    from jaxgrpo.models.config import LoRAConfig
+    from jaxgrpo.models.transformer import Transformer
+    from jaxgrpo.rewards import RewardSet
+    from jaxgrpo.rl.tiny import tiny_model_config, tiny_tokenizer
+
+    # The abstract model (shapes only): binding snapshots the state without running it.
+    cfg = tiny_model_config(LoRAConfig(rank=4, alpha=8.0))
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    tokenizer = tiny_tokenizer()
     specs = train.bind_model_rewards([("perplexity", 2.0), ("format_copy", 0.5)], model, tokenizer)
     assert specs[1] == ("format_copy", 0.5)
     assert callable(specs[0][0]) and specs[0][1] == 2.0
