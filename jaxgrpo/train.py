@@ -203,7 +203,9 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
         with _StopRequest() as stop:
             while step < cfg.steps and not stop.requested:
                 t0 = time.perf_counter()
-                state, metrics, samples = learner.step(state, data.take(cfg.rl.prompts_per_step))
+                # `draw` refills groups under dynamic sampling; it advances the same cursor.
+                examples = data.take(cfg.rl.prompts_per_step)
+                state, metrics, samples = learner.step(state, examples, draw=data.take)
                 step += 1
                 metrics = {**metrics, "time/step": time.perf_counter() - t0}
                 check_dead_run(step, metrics)

@@ -66,7 +66,7 @@ class _ToyLearner:
     def init_state(self):
         return {"w": jnp.zeros(3, jnp.float32), "rng": jax.random.key(0), "n": jnp.int32(0)}
 
-    def step(self, state, examples):
+    def step(self, state, examples, draw=None):
         values = [int(e["answer"]) for e in examples]
         self.seen.extend(values)
         rng, sub = jax.random.split(state["rng"])
