@@ -42,8 +42,16 @@ TASKS: dict[str, type] = {
 }
 
 
+_ALIASES = {"prompt_template": "template"}
+_EMPTY_MEANS_DEFAULT = ("template", "system_prompt")
+
+
 def get_task(name: str, **kwargs) -> Task:
     """Builds the task registered as ``name``.
+
+    ``prompt_template`` is accepted as an alias of ``template`` (the config's field name), and an
+    empty string for ``template`` or ``system_prompt`` means "the task's default", so a config
+    can pass its fields through unconditionally.
 
     Raises:
       ValueError: unknown task name, or a keyword the task does not accept (the message lists
@@ -52,6 +60,8 @@ def get_task(name: str, **kwargs) -> Task:
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
     cls = TASKS[name]
+    kwargs = {_ALIASES.get(k, k): v for k, v in kwargs.items()}
+    kwargs = {k: v for k, v in kwargs.items() if not (k in _EMPTY_MEANS_DEFAULT and v == "")}
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:

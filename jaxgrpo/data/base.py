@@ -253,7 +253,8 @@ class RowTask:
       hub_config: the hub data set's configuration name (e.g. gsm8k's ``"main"``).
       eval_fraction: share of rows held out when no separate eval source or split exists.
       template / system_prompt: see ``build_messages``.
-      limit: keep at most this many rows per side (None: all).
+      num_train / num_eval: keep at most this many train / eval examples (None: all). The eval
+        cap takes the first rows of the eval set, so it is the same set on every run.
     """
 
     source: str | None = None
@@ -264,7 +265,8 @@ class RowTask:
     eval_fraction: float = 0.2
     template: str = "answer_tag"
     system_prompt: str | None = None
-    limit: int | None = None
+    num_train: int | None = None
+    num_eval: int | None = None
 
     name: ClassVar[str] = "rows"
     columns: ClassVar[tuple[str, ...]] = ()
@@ -302,7 +304,7 @@ class RowTask:
             train, eval_set = split_by_hash(train, self.eval_fraction)
         eval_keys = {prompt_key(e) for e in eval_set}
         train = [e for e in train if prompt_key(e) not in eval_keys]
-        self._cache = (train[: self.limit], eval_set[: self.limit])
+        self._cache = (train[: self.num_train], eval_set[: self.num_eval])
         return self._cache
 
     def train_examples(self, seed: int = 0) -> list[Example]:

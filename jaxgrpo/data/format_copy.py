@@ -51,10 +51,8 @@ class FormatCopyTask:
 
     name: ClassVar[str] = "format_copy"
     columns: ClassVar[tuple[str, ...]] = ("answer",)
-    default_rewards: ClassVar[tuple[tuple[str, float], ...]] = (
-        ("exact_answer", 1.0),
-        ("format", 0.5),
-    )
+    # format_copy's partial-credit reward already gives 1.0 only to the exact "<answer>N</answer>".
+    default_rewards: ClassVar[tuple[tuple[str, float], ...]] = (("format_copy", 1.0),)
 
     def __post_init__(self):
         # Train must still have numbers left after holding out the eval set and the example.

@@ -54,7 +54,7 @@ class JEEBenchTask(RowTask):
         cached = getattr(self, "_cache", None)
         if cached is None:
             rows = self._load(self.source or self.hub_id, self.eval_split or self.train_split)
-            self._cache = cached = ([], rows[: self.limit])
+            self._cache = cached = ([], rows[: self.num_eval])
         return cached
 
     def train_examples(self, seed: int = 0) -> list[Example]:
