@@ -168,13 +168,16 @@ class PerplexityReward:
             )
         gen = [reasoning_text(c) if self.strip_answer else c for c in completions]
         keep = [i for i, r in enumerate(reference) if r is not None and str(r).strip()]
-        nll = self.nll(
-            [prompts[i] for i in keep] + [prompts[i] for i in keep],
-            [str(reference[i]) for i in keep] + [gen[i] for i in keep],
-        )
+        # The G samples of a group share (prompt, reference): score each distinct pair once.
+        pairs = [(prompts[i], str(reference[i])) for i in keep] + [
+            (prompts[i], gen[i]) for i in keep
+        ]
+        unique = list(dict.fromkeys(pairs))
+        nll_u = self.nll([p for p, _ in unique], [t for _, t in unique])
+        nll = dict(zip(unique, nll_u, strict=True))
         out: list[float | None] = [None] * len(completions)
         for j, i in enumerate(keep):
-            ref_nll, gen_nll = nll[j], nll[len(keep) + j]
+            ref_nll, gen_nll = nll[pairs[j]], nll[pairs[len(keep) + j]]
             if np.isnan(ref_nll):
                 continue
             out[i] = -1.0 if np.isnan(gen_nll) else float(np.tanh(ref_nll - gen_nll))

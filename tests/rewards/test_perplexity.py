@@ -98,6 +98,13 @@ def test_reward_equals_numpy_from_model_logits(tiny):
         )
         assert got[i] == pytest.approx(want, abs=1e-4), (i, got[i], want)
     assert got[2] == -1.0 and got[3] is None
+    # A group (shared prompt and reference, scored once) gives each member its own reward.
+    group = reward(
+        [prompts[0]] * 3,
+        [completions[0], completions[1], completions[0]],
+        reference=[reference[0]] * 3,
+    )
+    assert group[0] == group[2] == pytest.approx(got[0], abs=1e-6) and group[1] != group[0]
     assert -1.0 < got[0] < 1.0 and got[0] != got[1]
 
 
