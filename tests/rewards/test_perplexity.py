@@ -4,18 +4,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tokenizers
 from flax import nnx
 
 from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rewards import perplexity as ppl
-
-CORPUS = [
-    "Half of 48 is 24. So she sold 48 + 24 = 72 clips.",
-    "The train goes 80 km, then 65 km, then 50 km.",
-    "<reasoning> <answer> </answer> think step by step",
-]
+from jaxgrpo.rl.tiny import tiny_model_config, tiny_tokenizer
 
 
 def _random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -38,16 +32,9 @@ def _random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
 
 @pytest.fixture(scope="module")
 def tiny():
-    """A 2-layer D=64 Llama with V=320 and a byte-level BPE tokenizer trained on CORPUS."""
-    tok = tokenizers.Tokenizer(tokenizers.models.BPE())
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    trainer = tokenizers.trainers.BpeTrainer(
-        vocab_size=300, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(CORPUS, trainer)
-    assert tok.get_vocab_size() <= 320
-    cfg = ModelConfig(vocab_size=320, hidden_size=64, intermediate_size=128, num_layers=2)
+    """The tiny 2-layer Llama (D=64, V=384) and its jaxgrpo Tokenizer (ChatML byte-level BPE)."""
+    tok = tiny_tokenizer()
+    cfg = tiny_model_config()
     model = _random_model(cfg)
     graphdef, state = nnx.split(model)
     forward = jax.jit(lambda state, ids: nnx.merge(graphdef, state)(ids))
@@ -63,7 +50,7 @@ def _numpy_nll(tiny, prompt: str, text: str, max_length: int) -> float:
     the real prefix exact, and one fixed shape keeps the reference to a single compilation.
     """
     _, tok, forward, _ = tiny
-    enc = lambda s: tok.encode(s, add_special_tokens=False).ids
+    enc = lambda s: tok.hf.encode(s, add_special_tokens=False)
     head = enc(prompt) + enc(ppl.SEPARATOR)
     ids = (head + enc(text))[:max_length]
     assert len(ids) <= 64, len(ids)
@@ -78,8 +65,13 @@ def _numpy_nll(tiny, prompt: str, text: str, max_length: int) -> float:
 
 def test_reward_equals_numpy_from_model_logits(tiny):
     """tanh(NLL_ref - NLL_gen) per sample, with batching/padding/chunking across rows of
-    different lengths (batch_size=2 forces several calls and a row-padded last call)."""
-    prompts = ["Q: 48 clips?", "Q: how far does the train go in total, in km?", "Q: x", "Q: y"]
+    different lengths (batch_size=2 forces several calls and a row-padded last call), on
+    chat-rendered prompts whose special tokens must not be re-added or split."""
+    tok = tiny[1]
+    prompts = [
+        tok.apply_chat_template([{"role": "user", "content": q}])
+        for q in ("Q: 48 clips?", "Q: how far in km?", "Q: x", "Q: y")
+    ]
     completions = [
         "Half of 48 is 24. <answer>72</answer>",
         "80 + 65 + 50 = 195 km, so 195 km. <answer>195</answer>",
@@ -133,6 +125,9 @@ def test_sign_more_likely_generation_scores_positive(tiny):
 
 def test_registry_form_caches_per_model_and_requires_model(tiny):
     model, tok = tiny[:2]
+    text = "<|im_start|>user\nQ: 48?<|im_end|>"
+    assert ppl._text_encoder(tok)(text) == ppl._text_encoder(tok.hf.backend_tokenizer)(text)
+    assert ppl._text_encoder(tok)(text)[0] == tok.hf.convert_tokens_to_ids("<|im_start|>")
     with pytest.raises(ValueError, match="needs the frozen base model"):
         ppl.perplexity(["p"], ["c"], reference=["r"])
     a = ppl.perplexity(
