@@ -1,0 +1,155 @@
+"""The global normaliser: micro-batch accumulation and 8-device sharding give the full gradient.
+
+A tiny linear policy (``logits = x @ W``) makes the gradient a sum over sequences of a shared
+parameter's gradients, as in training. Every loss type runs with KL (k3), dual clip, an entropy
+bonus from temperature-scaled logits and the top-entropy restriction all on, so each of those
+normalisers is exercised. Tolerance: float32, ``rtol=1e-5`` relative to ``max|full gradient|``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxgrpo.rl.losses import (
+    loss_normalizers,
+    policy_loss,
+    token_entropy,
+    top_entropy_threshold,
+)
+
+# The four aggregation presets (gspo shares grpo's aggregation; its sequence ratio is local).
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gr_reinforce")
+N, T, F, V = 16, 9, 4, 7
+OPTIONS = dict(beta=0.04, dual_clip=3.0, entropy_coef=0.01, temperature=0.9)
+TOP_FRAC = 0.5
+
+
+@pytest.fixture(scope="module")
+def problem():
+    """Policy weights ``W [F, V]`` and a ragged rollout batch of N sequences."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, T + 1, N)
+    lengths[3] = 0
+    batch = {
+        "x": rng.normal(size=(N, T, F)).astype(np.float32),
+        "tokens": rng.integers(0, V, (N, T)).astype(np.int32),
+        "mask": np.arange(T)[None, :] < lengths[:, None],
+        "adv": rng.normal(size=N).astype(np.float32),
+    }
+    w = rng.normal(size=(F, V)).astype(np.float32)
+    logp = np.asarray(_logp_logits(w, batch)[0])
+    batch["old_logp"] = (logp + rng.normal(0.0, 0.5, (N, T))).astype(np.float32)
+    batch["ref_logp"] = (logp + rng.normal(0.0, 0.5, (N, T))).astype(np.float32)
+    return w, batch
+
+
+def _logp_logits(w_FV, batch):
+    logits_NTV = jnp.einsum("NTF,FV->NTV", batch["x"], w_FV)
+    logp_NTV = jax.nn.log_softmax(logits_NTV, axis=-1)
+    logp_NT = jnp.take_along_axis(logp_NTV, batch["tokens"][..., None], axis=-1)[..., 0]
+    return logp_NT, logits_NTV
+
+
+def _loss(w_FV, batch, norm, loss_type):
+    """Loss of (a slice of) the batch; ``norm=None`` uses this batch's own normalisers."""
+    logp_NT, logits_NTV = _logp_logits(w_FV, batch)
+    norm = norm or {"top_entropy_frac": TOP_FRAC}
+    return policy_loss(
+        logp_NT,
+        batch["old_logp"],
+        batch["ref_logp"],
+        batch["adv"],
+        batch["mask"],
+        loss_type=loss_type,
+        logits=logits_NTV,
+        **OPTIONS,
+        **norm,
+    )[0]
+
+
+def _global_norm(w_FV, batch):
+    """Whole-step normalisers and entropy threshold, as a trainer computes them once per step."""
+    entropy_NT = token_entropy(_logp_logits(w_FV, batch)[1], OPTIONS["temperature"])
+    return {
+        **loss_normalizers(batch["mask"]),
+        "entropy_threshold": top_entropy_threshold(entropy_NT, batch["mask"], TOP_FRAC),
+    }
+
+
+def _split(tree, k):
+    return jax.tree.map(lambda a: a.reshape(k, N // k, *a.shape[1:]), tree)
+
+
+def _accumulated(grad_fn, w_FV, batch, k, norm=None):
+    """Sum of the gradients of k equal micro-batches (vmapped: one traced copy of the loss).
+
+    With ``norm`` every micro-batch uses those whole-step normalisers; without, each uses its
+    own (the mistake the global normaliser exists to avoid).
+    """
+    micro = _split(batch, k)
+    if norm is None:
+        norm, axis = jax.vmap(_global_norm, in_axes=(None, 0))(w_FV, micro), 0
+    else:
+        axis = None
+    grads_kFV = jax.vmap(grad_fn, in_axes=(None, 0, axis))(w_FV, micro, norm)
+    return jnp.sum(grads_kFV, axis=0)
+
+
+def _close(actual, desired, what):
+    scale = float(np.max(np.abs(desired)))
+    np.testing.assert_allclose(actual, desired, rtol=1e-5, atol=1e-5 * scale, err_msg=what)
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_microbatch_accumulation_equals_full_batch(problem, loss_type):
+    w, batch = problem
+
+    @jax.jit
+    def all_grads(w, batch):
+        grad = jax.grad(functools.partial(_loss, loss_type=loss_type))
+        full = grad(w, batch, norm=None)
+        norm = _global_norm(w, batch)
+        acc = {k: _accumulated(grad, w, batch, k, norm) for k in (1, 2, 4)}
+        naive = _accumulated(grad, w, batch, 4)
+        return full, acc, naive
+
+    full, acc, naive = all_grads(w, batch)
+    assert np.abs(full).max() > 0
+    for k, g in acc.items():
+        _close(g, full, f"{loss_type}: {k} micro-batches")
+    # Each micro-batch normalised by itself is wrong: the test can tell the difference.
+    assert not np.allclose(naive, full, rtol=1e-3), loss_type
+
+
+def test_eight_devices_equal_one(problem):
+    w, batch = problem
+    assert jax.device_count() == 8, "tests/conftest.py sets 8 virtual CPU devices"
+    # Auto axis types (GSPMD), as jaxgrpo.sharding builds its meshes.
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
+
+    def every_loss_type(w, batch, norm):
+        return {lt: jax.grad(_loss)(w, batch, norm, lt) for lt in LOSS_TYPES}
+
+    single = jax.jit(functools.partial(every_loss_type, norm=None))(w, batch)
+    rows = NamedSharding(mesh, P("data"))
+    batch_sharded = jax.device_put(batch, rows)
+    w_rep = jax.device_put(w, NamedSharding(mesh, P()))
+    gspmd = jax.jit(functools.partial(every_loss_type, norm=None))(w_rep, batch_sharded)
+
+    # Each device: its 2 rows with the whole step's normalisers. shard_map's autodiff already
+    # all-reduces the gradient of the replicated `w` (the transpose of its implicit broadcast
+    # to the devices is a psum), so the result is the sum of the per-device gradients.
+    per_device = every_loss_type
+
+    norm = _global_norm(w, batch)
+    explicit = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P())
+    )(w_rep, batch_sharded, norm)
+    for lt in LOSS_TYPES:
+        _close(gspmd[lt], single[lt], f"{lt}: jit over an 8-device mesh")
+        _close(explicit[lt], single[lt], f"{lt}: shard_map + psum with global normalisers")
