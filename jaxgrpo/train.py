@@ -370,6 +370,7 @@ def resolve_argv(argv: Sequence[str]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI entry: resolves the config, parses overrides with absl, validates, trains."""
     from absl import app, flags
+    from absl import logging as absl_logging
     from ml_collections import config_flags
 
     argv = list(sys.argv if argv is None else argv)
@@ -382,6 +383,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
 
     def _run(_):
+        if not any(re.match(r"--?(v|verbosity)(=|$)", a) for a in argv):
+            # orbax logs every save at INFO; keep the console to the progress bar and warnings.
+            absl_logging.set_verbosity(absl_logging.WARNING)
         try:
             cfg = config_lib.to_train_config(flag.value)
         except ConfigError as e:
