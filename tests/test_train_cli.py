@@ -157,3 +157,7 @@ def test_perplexity_reward_gets_the_frozen_base_model():
     assert callable(specs[0][0]) and specs[0][1] == 2.0
     # Scoring compiles the model (tens of seconds here); the reported name is what matters.
     assert RewardSet(specs).weights(0) == {"perplexity": 2.0, "format_copy": 0.5}
+
+
+def test_smollm2_alias_points_at_the_embedded_gguf(smollm2_gguf):
+    assert os.path.samefile(train.smollm2_path(), smollm2_gguf)
