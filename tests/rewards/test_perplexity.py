@@ -137,3 +137,27 @@ def test_registry_form_caches_per_model_and_requires_model(tiny):
         ["Q: 48 clips?"], ["Half of 48"], reference=["So 72"], model=model, tokenizer=tok
     )
     assert a == b and len(ppl._CACHE[model]) == 1
+
+
+@pytest.mark.slow
+def test_real_smollm2_prefers_a_correct_paraphrase_to_gibberish(smollm2_gguf):
+    """Under the real SmolLM2-135M-Instruct: the reference itself scores 0, a paraphrase of it
+    scores above word salad, and an empty reasoning scores -1 (the sign convention end to end)."""
+    from jaxgrpo.models import load_model
+
+    model, tok = load_model(smollm2_gguf)
+    reward = ppl.make_perplexity_reward(model, tok, batch_size=4)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Ana had 48 clips and sold half of them. How many are left?"}]
+    )
+    ref = "Half of 48 is 48 / 2 = 24, so Ana has 24 clips left."
+    completions = [
+        f"{ref} <answer>24</answer>",
+        "She sold half of the 48 clips, which is 24, so 24 clips are left. <answer>24</answer>",
+        "zebra quantum purple flask ocean of of seventeen <answer>24</answer>",
+        "<answer>24</answer>",
+    ]
+    same, paraphrase, salad, empty = reward([prompt] * 4, completions, reference=[ref] * 4)
+    assert same == pytest.approx(0.0, abs=1e-6)
+    assert paraphrase > salad + 0.5, (paraphrase, salad)
+    assert salad < 0.0 and empty == -1.0
