@@ -25,6 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from jaxgrpo import config as config_lib
 from jaxgrpo.config import ConfigError, TrainConfig
 from jaxgrpo.config_checks import unknown_key_error
@@ -149,6 +151,20 @@ class _StopRequest:
         self.requested = True
         print(f"\nsignal {signum}: stopping after this step (Ctrl-C again to abort)", flush=True)
 
+    def agreed(self) -> bool:
+        """True when any process was asked to stop: all processes leave the loop together.
+
+        A host that stopped alone would leave the others blocked in the next step's collectives.
+        """
+        import jax
+
+        if jax.process_count() == 1:
+            return self.requested
+        from jax.experimental import multihost_utils
+
+        flags = multihost_utils.process_allgather(np.asarray(self.requested, np.int32))
+        return bool(np.any(flags))
+
     def __enter__(self):
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
@@ -201,7 +217,7 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
     step = start
     try:
         with _StopRequest() as stop:
-            while step < cfg.steps and not stop.requested:
+            while step < cfg.steps and not stop.agreed():
                 t0 = time.perf_counter()
                 # `draw` refills groups under dynamic sampling; it advances the same cursor.
                 examples = data.take(cfg.rl.prompts_per_step)
@@ -258,6 +274,8 @@ def _final_save(ckpt: Any, step: int, start: int, state: Any, meta: dict) -> Non
 
 
 def _meta(cfg: TrainConfig, step: int, data: DataStream) -> dict[str, Any]:
+    # Curricula and the temperature schedule are functions of the step, so the step (in the
+    # state and here) is their whole state; the data cursor is the rest.
     return {"step": step, "data_cursor": data.position, "config": cfg.to_dict()}
 
 

@@ -73,3 +73,16 @@ def test_progress_text_and_dead_run_warnings(capsys):
     assert jlog.check_dead_run(3, dead) == [], "each warning fires once"
     err = capsys.readouterr().err
     assert err.count("WARNING") == 2 and "every completion was truncated" in err
+
+
+def test_wandb_enabled_but_not_installed_warns_and_keeps_logging(tmp_path, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here; this checks the missing-package path")
+    jlog._WARNED.clear()
+    logger = jlog.MetricsLogger(str(tmp_path), 0, tensorboard=False, wandb=True)
+    logger.log(1, {"reward/mean": 1.0})
+    logger.close()
+    assert "wandb is not installed" in capsys.readouterr().err
+    assert _read(tmp_path / "metrics.jsonl")[0]["reward/mean"] == 1.0
