@@ -69,6 +69,7 @@ class ModelConfig:
             (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings).
         max_position_embeddings: context length the checkpoint was trained for.
         qkv_bias: bias on the q, k and v projections (Qwen2).
+        o_bias: bias on the output projection (Llama's `attention_bias` sets q/k/v and o).
         qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
         tie_embeddings: the LM head reuses the input embedding.
         param_dtype: storage dtype of the weights, "float32" or "bfloat16".
@@ -90,6 +91,7 @@ class ModelConfig:
     rope_scaling: tuple[tuple[str, float], ...] | None = None
     max_position_embeddings: int = 2048
     qkv_bias: bool = False
+    o_bias: bool = False
     qk_norm: bool = False
     tie_embeddings: bool = False
     param_dtype: str = "float32"
@@ -162,6 +164,7 @@ class ModelConfig:
             rope_scaling=scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             qkv_bias=True if arch == "qwen2" else bool(hf.get("attention_bias", False)),
+            o_bias=arch == "llama" and bool(hf.get("attention_bias", False)),
             qk_norm=arch == "qwen3",
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
@@ -193,7 +196,7 @@ class ModelConfig:
             "torch_dtype": self.param_dtype,
         }
         if self.arch == "llama":
-            hf["attention_bias"] = self.qkv_bias
+            hf["attention_bias"] = self.qkv_bias or self.o_bias
             hf["mlp_bias"] = False
         if self.arch == "qwen3":
             hf["attention_bias"] = False

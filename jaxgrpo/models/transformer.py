@@ -68,7 +68,13 @@ class Attention(nnx.Module):
             **kw,
         )
         self.o = Einsum(
-            (n, h), (d,), ("heads", "head_dim"), ("embed",), lora=_lora_for(cfg, "o"), **kw
+            (n, h),
+            (d,),
+            ("heads", "head_dim"),
+            ("embed",),
+            bias=cfg.o_bias,
+            lora=_lora_for(cfg, "o"),
+            **kw,
         )
         norm_kw = dict(stack=stack, param_dtype=cfg.param_dtype)
         self.q_norm = RMSNorm(h, "head_dim", cfg.rms_norm_eps, **norm_kw) if cfg.qk_norm else None
@@ -141,6 +147,51 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, stack=stack, rngs=rngs)
         self.mlp_norm = RMSNorm(d, "embed", eps, stack=stack, param_dtype=cfg.param_dtype)
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
+
+    def __call__(
+        self,
+        x_BTD: Array,
+        cos: Array,
+        sin: Array,
+        mask_BTS: Array,
+        *,
+        kv: tuple[Array, Array] | None = None,
+        layer: Array | None = None,
+        index: Array | None = None,
+        ctx: ShardingCtx | None = None,
+    ) -> tuple[Array, tuple[Array, Array] | None]:
+        """One layer on per-layer weights.
+
+        Args:
+            x_BTD: residual stream.
+            cos / sin: RoPE tables [B, T, 1, H/2].
+            mask_BTS: True where query t may attend key slot s (S = T without a cache).
+            kv: None, or the whole stacked cache (k, v), each [L, B, S, K, H]; the new keys are
+                written at (layer, :, index) and attention reads the whole of layer `layer`.
+            layer / index: this layer's number and the first slot to write (with kv).
+            ctx: activation sharding context.
+
+        Returns:
+            (new residual stream, updated (k, v) or None).
+        """
+        h_BTD = self.attn_norm(x_BTD)
+        q_BTNH, k_BTKH, v_BTKH = self.attn.qkv(h_BTD, cos, sin, ctx)
+        if kv is not None:
+            k_LBSKH, v_LBSKH = kv
+            start = (layer, 0, index, 0, 0)
+            k_LBSKH = jax.lax.dynamic_update_slice(
+                k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), start
+            )
+            v_LBSKH = jax.lax.dynamic_update_slice(
+                v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), start
+            )
+            k_BTKH = jax.lax.dynamic_index_in_dim(k_LBSKH, layer, 0, keepdims=False)
+            v_BTKH = jax.lax.dynamic_index_in_dim(v_LBSKH, layer, 0, keepdims=False)
+            kv = (k_LBSKH, v_LBSKH)
+        attn_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
+        x_BTD = x_BTD + self.attn.o(attn_BTNH).astype(x_BTD.dtype)
+        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD), ctx).astype(x_BTD.dtype)
+        return shard_act(x_BTD, _X_AXES, ctx), kv
 
 
 class Transformer(nnx.Module):
@@ -252,24 +303,8 @@ class Transformer(nnx.Module):
             x_BTD, kv = carry
             layer_state, layer = xs
             block = nnx.merge(graphdef, layer_state)
-            h_BTD = block.attn_norm(x_BTD)
-            q_BTNH, k_BTKH, v_BTKH = block.attn.qkv(h_BTD, cos, sin, ctx)
-            if kv is not None:
-                k_LBSKH, v_LBSKH = kv
-                start = (layer, 0, index, 0, 0)
-                k_LBSKH = jax.lax.dynamic_update_slice(
-                    k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), start
-                )
-                v_LBSKH = jax.lax.dynamic_update_slice(
-                    v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), start
-                )
-                k_BTKH = jax.lax.dynamic_index_in_dim(k_LBSKH, layer, 0, keepdims=False)
-                v_BTKH = jax.lax.dynamic_index_in_dim(v_LBSKH, layer, 0, keepdims=False)
-                kv = (k_LBSKH, v_LBSKH)
-            attn_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
-            x_BTD = x_BTD + block.attn.o(attn_BTNH).astype(x_BTD.dtype)
-            x_BTD = x_BTD + block.mlp(block.mlp_norm(x_BTD), ctx).astype(x_BTD.dtype)
-            return (shard_act(x_BTD, _X_AXES, ctx), kv), None
+            x_BTD, kv = block(x_BTD, cos, sin, mask_BTS, kv=kv, layer=layer, index=index, ctx=ctx)
+            return (x_BTD, kv), None
 
         if self.cfg.remat:
             body = jax.checkpoint(body)
@@ -277,3 +312,9 @@ class Transformer(nnx.Module):
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, kv0), (state, layers))
         return x_BTD, kv
+
+
+def layer_block(model: Transformer, i: int) -> Block:
+    """Layer i of the stacked decoder as an ordinary (unstacked) Block, e.g. for tests."""
+    graphdef, state = nnx.split(model.layers)
+    return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))

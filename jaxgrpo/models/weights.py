@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -74,6 +75,8 @@ def _entries(cfg: ModelConfig) -> list[_Entry]:
             out.append(
                 _Entry(attn + f"{name}_proj.bias", ("layers", "attn", name, "bias"), (size,))
             )
+    if cfg.o_bias:
+        out.append(_Entry(attn + "o_proj.bias", ("layers", "attn", "o", "bias"), (d,)))
     if cfg.qk_norm:
         for name in ("q", "k"):
             out.append(
@@ -120,6 +123,11 @@ def _fetch(get_tensor: Callable[[str], np.ndarray], name: str, expected: tuple[i
 def load_hf_tensors(model, get_tensor: Callable[[str], np.ndarray]) -> None:
     """Fills `model`'s base weights in place from HF-named torch-layout tensors.
 
+    The model may be abstract (`nnx.eval_shape(lambda: Transformer(cfg, rngs=...))`): every
+    base weight is replaced, so no random initialisation is needed. Values go to the sharding
+    already on each parameter (a NamedSharding from `create_sharded_model` or `nnx.as_abstract`),
+    else to the default device.
+
     Args:
         model: a Transformer (adapters, if any, are left as they are).
         get_tensor: name -> array, e.g. `lambda n: state_dict[n].numpy()`.
@@ -129,22 +137,28 @@ def load_hf_tensors(model, get_tensor: Callable[[str], np.ndarray]) -> None:
         ValueError: a tensor has the wrong shape (named, with expected and found shapes).
     """
     cfg = model.cfg
+    values: dict[tuple[str, ...], np.ndarray] = {}
     for e in _entries(cfg):
-        var = _param(model, e.path)
-        current = var[...]
-        ours_shape = current.shape[1:] if e.per_layer else current.shape
+        shape = tuple(_param(model, e.path).get_value().shape)
+        ours_shape = shape[1:] if e.per_layer else shape
         if e.slot is not None:
             ours_shape = ours_shape[:-2] + ours_shape[-1:]
         names = [e.hf.format(i=i) for i in range(cfg.num_layers)] if e.per_layer else [e.hf]
         parts = [_to_ours(e, _fetch(get_tensor, n, e.hf_shape), ours_shape) for n in names]
         value = np.stack(parts) if e.per_layer else parts[0]
-        if e.slot is not None:
-            full = np.array(current, dtype=np.float32)
-            full[..., e.slot, :] = value
-            value = full
-        new = np.asarray(value).astype(current.dtype)
+        if e.slot is None:
+            values[e.path] = value
+        else:
+            # gate_proj and up_proj are two halves of one fused kernel: assemble, then write once.
+            values.setdefault(e.path, np.zeros(shape, value.dtype))[..., e.slot, :] = value
+    for path, value in values.items():
+        var = _param(model, path)
+        current = var.get_value()
+        value = np.asarray(value).astype(current.dtype)
         sharding = getattr(current, "sharding", None)
-        var[...] = jax.device_put(new, sharding) if sharding is not None else jax.numpy.asarray(new)
+        var.set_value(
+            jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
+        )
 
 
 def hf_tensors(model, merge_lora: bool = True) -> dict[str, np.ndarray]:

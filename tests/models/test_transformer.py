@@ -1,0 +1,235 @@
+"""The decoder against transformers (Llama+llama3 rope, Qwen2 tied+bias, Qwen3 qk-norm), the KV
+cache against the full forward, weight round trips and error messages, remat and compile time.
+"""
+
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgrpo.models.config import ModelConfig
+from jaxgrpo.models.kv_cache import init_cache
+from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.models.weights import hf_tensors, load_hf_tensors
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-5,
+)
+ARCHS = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8,
+            },
+        ),
+    ),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+}
+
+
+def _build(arch):
+    """A random tiny HF model (norms, biases perturbed off init) and ours loaded from it."""
+    conf_cls, model_cls, extra = ARCHS[arch]
+    hf_cfg = getattr(transformers, conf_cls)(**COMMON, **extra)
+    torch.manual_seed(0)
+    tm = getattr(transformers, model_cls)(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in tm.named_parameters():
+            if "norm" in name or "bias" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    sd = {k: v.numpy() for k, v in tm.state_dict().items()}
+    cfg = ModelConfig.from_hf_config(hf_cfg.to_dict())
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    load_hf_tensors(model, lambda n: sd[n])
+    return tm, model, sd
+
+
+@pytest.fixture(scope="module", params=list(ARCHS))
+def pair(request):
+    return _build(request.param)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    rng = np.random.RandomState(0)
+    ids = rng.randint(0, 256, (3, 12)).astype(np.int32)
+    mask = np.ones((3, 12), np.int32)
+    mask[1, :4] = 0
+    mask[2, :7] = 0
+    return ids, mask
+
+
+@jax.jit
+def _forward(model, ids, mask):
+    return model(ids, attention_mask=mask)
+
+
+def test_logits_match_transformers(pair, batch):
+    """float32 logits within rtol = atol = 1e-4 and identical argmax at every unpadded position."""
+    tm, model, _ = pair
+    ids, mask = batch
+    with torch.no_grad():
+        ref = tm(torch.tensor(ids).long(), attention_mask=torch.tensor(mask)).logits.numpy()
+    ours = np.asarray(_forward(model, ids, mask))
+    assert ours.dtype == np.float32
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(ours[valid], ref[valid], rtol=1e-4, atol=1e-4)
+    np.testing.assert_array_equal(ours[valid].argmax(-1), ref[valid].argmax(-1))
+    assert np.all(np.isfinite(ours)), "padded positions must give finite values"
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _cached(model, ids, mask, prefill_len):
+    """Prefill the first `prefill_len` tokens, then decode the rest one token at a time."""
+    b, t = ids.shape
+    cache = init_cache(model.cfg, b, t + 2)
+    h, cache = model.hidden(ids[:, :prefill_len], mask[:, :prefill_len], cache=cache)
+    outs = [model.logits(h)]
+    for i in range(prefill_len, t):
+        h, cache = model.hidden(ids[:, i : i + 1], jnp.ones((b, 1), jnp.int32), cache=cache)
+        outs.append(model.logits(h))
+    return jnp.concatenate(outs, axis=1), cache
+
+
+def test_cached_decoding_equals_full_forward(pair, batch):
+    _, model, _ = pair
+    ids, mask = batch
+    full = np.asarray(_forward(model, ids, mask))
+    cached, cache = _cached(model, ids, mask, 8)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(cached)[valid], full[valid], rtol=1e-5, atol=1e-5)
+    assert int(cache.index) == 12
+    np.testing.assert_array_equal(np.asarray(cache.next_pos), mask.sum(1))
+    np.testing.assert_array_equal(np.asarray(cache.mask)[:, :12], valid)
+
+
+def test_cache_repeat_decodes_each_copy_like_the_original(pair, batch):
+    """Prefill B prompts once, repeat the cache G times, then decode: every copy matches."""
+    _, model, _ = pair
+    ids, mask = batch
+    g = 2
+
+    @jax.jit
+    def run(model):
+        cache = init_cache(model.cfg, 3, 14)
+        _, cache = model.hidden(ids[:, :10], mask[:, :10], cache=cache)
+        cache = cache.repeat(g)
+        nxt = jnp.repeat(jnp.asarray(ids[:, 10:11]), g, axis=0)
+        h, _ = model.hidden(nxt, jnp.ones((3 * g, 1), jnp.int32), cache=cache)
+        return model.logits(h)[:, 0]
+
+    full = np.asarray(_forward(model, ids[:, :11], mask[:, :11]))[:, -1]
+    np.testing.assert_allclose(np.asarray(run(model)), np.repeat(full, g, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_hf_tensors_round_trip(pair):
+    _, model, sd = pair
+    out = hf_tensors(model)
+    tied = model.cfg.tie_embeddings
+    assert set(out) == set(sd) - ({"lm_head.weight"} if tied else set())
+    for name, value in out.items():
+        np.testing.assert_array_equal(value, sd[name], err_msg=name)
+
+
+def test_hf_config_round_trip(pair):
+    tm, model, _ = pair
+    hf = model.cfg.to_hf_config()
+    assert ModelConfig.from_hf_config(hf) == model.cfg
+    reloaded = transformers.AutoConfig.for_model(**hf)
+    assert type(reloaded) is type(tm.config)
+    assert ModelConfig.from_hf_config(reloaded.to_dict()) == model.cfg
+
+
+def _tiny_cfg(**kw):
+    return ModelConfig(
+        arch="qwen2", vocab_size=128, hidden_size=32, intermediate_size=64, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=8, qkv_bias=True, **kw,
+    )  # fmt: skip
+
+
+def test_missing_tensor_is_named():
+    model = Transformer(_tiny_cfg(), rngs=nnx.Rngs(0))
+    tensors = hf_tensors(model)
+    del tensors["model.layers.1.self_attn.k_proj.bias"]
+    with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
+        load_hf_tensors(model, tensors.__getitem__)
+
+
+def test_misshaped_tensor_names_expected_and_found_shapes():
+    model = Transformer(_tiny_cfg(), rngs=nnx.Rngs(0))
+    tensors = hf_tensors(model)
+    tensors["model.layers.0.mlp.down_proj.weight"] = np.zeros((64, 32), np.float32)
+    with pytest.raises(ValueError, match=r"down_proj\.weight.*\(64, 32\).*expected \(32, 64\)"):
+        load_hf_tensors(model, tensors.__getitem__)
+
+
+def test_unsupported_architecture_lists_supported():
+    with pytest.raises(ValueError, match=r"gpt2.*llama, qwen2, qwen3"):
+        ModelConfig.from_hf_config({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
+
+
+def test_remat_and_bfloat16():
+    """Remat changes memory, not math (grads within 1e-5); bf16 params+compute stay close."""
+    cfg = _tiny_cfg()
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 128
+    graphdef, state = nnx.split(model)
+
+    def loss(state, remat):
+        m = nnx.merge(graphdef, state)
+        m.cfg = m.cfg.replace(remat=remat)
+        return jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
+
+    g0 = jax.jit(jax.grad(loss), static_argnums=1)(state, False)
+    g1 = jax.jit(jax.grad(loss), static_argnums=1)(state, True)
+    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+    bf = Transformer(cfg.replace(param_dtype="bfloat16", dtype="bfloat16"), rngs=nnx.Rngs(0))
+    assert bf.layers.attn.q.kernel[...].dtype == jnp.bfloat16
+    logits_bf = _forward(bf, ids, jnp.ones_like(ids))
+    assert logits_bf.dtype == jnp.float32
+    np.testing.assert_allclose(
+        np.asarray(logits_bf), np.asarray(_forward(model, ids, jnp.ones_like(ids))), atol=5e-2
+    )
+
+
+def _compile_seconds(num_layers):
+    cfg = ModelConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=num_layers,
+        num_heads=4, num_kv_heads=2, head_dim=16,
+    )  # fmt: skip
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    graphdef, state = nnx.split(model)
+    ids = jax.ShapeDtypeStruct((4, 64), jnp.int32)
+    fn = jax.jit(lambda s, i: nnx.merge(graphdef, s)(i, attention_mask=jnp.ones_like(i)))
+    start = time.perf_counter()
+    fn.lower(state, ids).compile()
+    return time.perf_counter() - start
+
+
+def test_compile_time_does_not_grow_with_depth():
+    """Layers are scanned, so 30 layers compile in about the time of 2 (allow 2x for noise)."""
+    t2, t30 = _compile_seconds(2), _compile_seconds(30)
+    assert t30 < 2.0 * t2 + 0.5, f"compile 2 layers {t2:.2f}s vs 30 layers {t30:.2f}s"
