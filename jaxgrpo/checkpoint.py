@@ -96,7 +96,9 @@ class Checkpointer:
             max_to_keep=keep, create=True, enable_async_checkpointing=False
         )
         self._manager = ocp.CheckpointManager(
-            os.path.abspath(directory), options=options, item_names=("state", "meta")
+            directory if "://" in directory else os.path.abspath(directory),  # gs:// as is
+            options=options,
+            item_names=("state", "meta"),
         )
 
     def latest_step(self) -> int | None:

@@ -19,17 +19,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import sys
 import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from jaxgrpo import config as config_lib
 from jaxgrpo.config import ConfigError, TrainConfig
 from jaxgrpo.config_checks import unknown_key_error
+from jaxgrpo.runtime import DataStream, RunFiles, StopRequest
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -103,79 +101,8 @@ def build_task(task_cfg: config_lib.TaskConfig):
         raise ConfigError(f"config key 'task': {e}") from None
 
 
-class DataStream:
-    """Training examples in a fixed order: epoch e is ``task.train_examples(seed + e)``.
-
-    ``position`` counts examples consumed; it is the data cursor stored in checkpoints, so a
-    resumed run sees exactly the examples an uninterrupted one would have.
-    """
-
-    def __init__(self, task: Any, seed: int, position: int = 0):
-        self.task, self.seed, self.position = task, seed, position
-        self._epoch, self._examples = -1, []
-        self._size = len(self._epoch_examples(0))
-
-    def _epoch_examples(self, epoch: int) -> list:
-        if epoch != self._epoch:
-            self._examples = list(self.task.train_examples(self.seed + epoch))
-            if not self._examples:
-                raise ValueError(f"task {self.task.name!r} has no training examples")
-            self._epoch = epoch
-        return self._examples
-
-    def take(self, n: int) -> list:
-        """The next ``n`` examples, crossing epoch boundaries as needed."""
-        out = []
-        while len(out) < n:
-            epoch, offset = divmod(self.position, self._size)
-            chunk = self._epoch_examples(epoch)[offset : offset + n - len(out)]
-            out.extend(chunk)
-            self.position += len(chunk)
-        return out
-
-
 # ----------------------------------------------------------------------------------------------
 # The loop.
-
-
-class _StopRequest:
-    """SIGTERM / first SIGINT set ``requested``; the loop stops after the current step."""
-
-    def __init__(self):
-        self.requested = False
-        self._previous = {}
-
-    def _handle(self, signum, frame):
-        if self.requested and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.requested = True
-        print(f"\nsignal {signum}: stopping after this step (Ctrl-C again to abort)", flush=True)
-
-    def agreed(self) -> bool:
-        """True when any process was asked to stop: all processes leave the loop together.
-
-        A host that stopped alone would leave the others blocked in the next step's collectives.
-        """
-        import jax
-
-        if jax.process_count() == 1:
-            return self.requested
-        from jax.experimental import multihost_utils
-
-        flags = multihost_utils.process_allgather(np.asarray(self.requested, np.int32))
-        return bool(np.any(flags))
-
-    def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            try:
-                self._previous[sig] = signal.signal(sig, self._handle)
-            except ValueError:  # not the main thread: leave signals alone
-                pass
-        return self
-
-    def __exit__(self, *exc):
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 def _prefixed(metrics: dict, prefix: str) -> dict:
@@ -199,15 +126,15 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
 
     parts = parts or build_parts(cfg)
     learner, task = parts["learner"], parts["task"]
-    os.makedirs(cfg.run_dir, exist_ok=True)
+    process = jax.process_index()
+    files = RunFiles(cfg.run_dir, process)
     ckpt = Checkpointer(
-        os.path.join(cfg.run_dir, "checkpoints"),
+        files.join(cfg.run_dir, "checkpoints"),
         every=cfg.checkpoint.every,
         keep=cfg.checkpoint.keep,
     )
     state, start, cursor = _restore_or_init(cfg, learner, ckpt)
-    process = jax.process_index()
-    logger = _open_logger(cfg, process, start)
+    logger = _open_logger(cfg, files.local_dir, process, start)
     eval_examples = list(task.eval_examples())[: cfg.task.num_eval]
     if start == 0 and eval_examples:
         logger.log(0, _prefixed(learner.evaluate(state, eval_examples), "eval/"))
@@ -216,7 +143,7 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
     metrics: dict[str, Any] = {}
     step = start
     try:
-        with _StopRequest() as stop:
+        with StopRequest() as stop:
             while step < cfg.steps and not stop.agreed():
                 t0 = time.perf_counter()
                 # `draw` refills groups under dynamic sampling; it advances the same cursor.
@@ -233,21 +160,23 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
                 if samples and every and step % every == 0:
                     logger.log_samples(step, samples)
                 bar.update(step, metrics)
-                ckpt.save(step, state, _meta(cfg, step, data))
+                if ckpt.save(step, state, _meta(cfg, step, data)):
+                    files.upload()
     finally:
         _final_save(ckpt, step, start, state, _meta(cfg, step, data))
         ckpt.close()
         bar.close()
         logger.close()
+        files.upload()
     return metrics
 
 
-def _open_logger(cfg: TrainConfig, process: int, start: int):
+def _open_logger(cfg: TrainConfig, log_dir: str, process: int, start: int):
     """Metrics sinks (lines of steps after ``start`` dropped) and the config snapshot."""
     from jaxgrpo.logging import MetricsLogger
 
     logger = MetricsLogger(
-        cfg.run_dir,
+        log_dir,
         process,
         tensorboard=cfg.logging.tensorboard,
         wandb=cfg.logging.wandb,
@@ -256,7 +185,7 @@ def _open_logger(cfg: TrainConfig, process: int, start: int):
         resume_step=start if start > 0 else -1,
     )
     if process == 0:
-        with open(os.path.join(cfg.run_dir, "config.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(log_dir, "config.json"), "w", encoding="utf-8") as f:
             json.dump(cfg.to_dict(), f, indent=1)
     return logger
 
@@ -273,7 +202,7 @@ def _final_save(ckpt: Any, step: int, start: int, state: Any, meta: dict) -> Non
         warn_once("checkpoint/exit", f"could not checkpoint step {step} at exit: {e!r}")
 
 
-def _meta(cfg: TrainConfig, step: int, data: DataStream) -> dict[str, Any]:
+def _meta(cfg: TrainConfig, step: int, data: Any) -> dict[str, Any]:
     # Curricula and the temperature schedule are functions of the step, so the step (in the
     # state and here) is their whole state; the data cursor is the rest.
     return {"step": step, "data_cursor": data.position, "config": cfg.to_dict()}

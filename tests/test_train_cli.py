@@ -161,3 +161,28 @@ def test_perplexity_reward_gets_the_frozen_base_model():
 
 def test_smollm2_alias_points_at_the_embedded_gguf(smollm2_gguf):
     assert os.path.samefile(train.smollm2_path(), smollm2_gguf)
+
+
+def test_run_files_for_remote_run_dirs(tmp_path, monkeypatch):
+    from jaxgrpo.runtime import RunFiles
+
+    monkeypatch.chdir(tmp_path)
+    remote = RunFiles("gs://bucket/runs/exp/", process=1)  # process 1 touches no storage
+    assert remote.remote and remote.local_dir == os.path.join("runs", "exp")
+    assert (
+        RunFiles.join("gs://bucket/runs/exp/", "checkpoints") == "gs://bucket/runs/exp/checkpoints"
+    )
+    local = RunFiles(str(tmp_path / "run"), process=0)
+    assert not local.remote and local.local_dir == str(tmp_path / "run")
+    assert RunFiles.join(local.local_dir, "checkpoints") == str(tmp_path / "run" / "checkpoints")
+    # The copy used for remote mirroring: all names, or only those missing at the target.
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "metrics.jsonl").write_text("new")
+    (tmp_path / "src" / "config.json").write_text("{}")
+    (tmp_path / "dst").mkdir()
+    (tmp_path / "dst" / "metrics.jsonl").write_text("old")
+    local._copy(str(tmp_path / "src"), str(tmp_path / "dst"), only_missing=True)
+    assert (tmp_path / "dst" / "metrics.jsonl").read_text() == "old"
+    assert (tmp_path / "dst" / "config.json").read_text() == "{}"
+    local._copy(str(tmp_path / "src"), str(tmp_path / "dst"))
+    assert (tmp_path / "dst" / "metrics.jsonl").read_text() == "new"
