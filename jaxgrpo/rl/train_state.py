@@ -145,10 +145,10 @@ def make_update_fn(
 ) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
     """Builds the jitted update: accumulate grads over micro-batches, clip, AdamW, guard.
 
-    `loss_fn(params, frozen, batch, idx_M)` returns `(loss, metrics)` for the micro-batch of
-    groups `idx_M` drawn from the whole rollout `batch`. It must already be normalised by the
-    whole minibatch (the losses' global normaliser), so the sum of micro-batch losses and
-    gradients equals the full minibatch's and accumulation is exact.
+    `loss_fn(params, frozen, batch, idx_M, idx_AM)` returns `(loss, metrics)` for the
+    micro-batch of groups `idx_M` drawn from the whole rollout `batch`. It must normalise by the
+    whole minibatch `idx_AM` (the losses' global normaliser), so the sum of micro-batch losses
+    and gradients equals the full minibatch's and accumulation is exact.
 
     Args:
         loss_fn: the micro-batch loss, differentiable in `params`.
@@ -156,19 +156,19 @@ def make_update_fn(
         state_sh: shardings of the `TrainState`.
         frozen_sh: shardings of the frozen parameters.
         batch_sh: shardings of the rollout batch.
-        idx_sh: sharding of the [A, M] group-index array.
+        idx_sh: sharding of the [A, M] group-index array (replicated; metrics use it too).
 
     Returns:
         `update(state, frozen, batch, idx_AM) -> (state, metrics)`, jitted with `state`
         donated. idx_AM holds, for each of the A micro-batches, the M groups it trains on.
         Metrics are averaged over micro-batches, plus `loss` (summed), `grad_norm`,
-        `update_skipped` (0/1) and `lr_count`.
+        and `update_skipped` (0/1).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def micro_step(params, frozen, batch, carry, idx_M):
+    def micro_step(params, frozen, batch, idx_AM, carry, idx_M):
         grads_acc, loss_acc = carry
-        (loss, metrics), grads = grad_fn(params, frozen, batch, idx_M)
+        (loss, metrics), grads = grad_fn(params, frozen, batch, idx_M, idx_AM)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, loss_acc + loss), metrics
 
@@ -176,7 +176,7 @@ def make_update_fn(
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         init = (zeros, jnp.zeros((), jnp.float32))
         (grads, loss), metrics = jax.lax.scan(
-            lambda c, i: micro_step(state.params, frozen, batch, c, i), init, idx_AM
+            lambda c, i: micro_step(state.params, frozen, batch, idx_AM, c, i), init, idx_AM
         )
         metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
         ok = jnp.isfinite(loss) & all_finite(grads)
@@ -195,13 +195,13 @@ def make_update_fn(
         )
         metrics = dict(metrics)
         metrics["loss"] = loss
-        metrics["grad_norm"] = optax.global_norm(safe)
+        metrics["grad_norm"] = optax.tree.norm(safe)
         metrics["update_skipped"] = (~ok).astype(jnp.float32)
         return new_state, metrics
 
     return jax.jit(
         update,
         in_shardings=(state_sh, frozen_sh, batch_sh, idx_sh),
-        out_shardings=(state_sh, None),
+        out_shardings=(state_sh, idx_sh),
         donate_argnums=(0,),
     )

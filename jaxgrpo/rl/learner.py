@@ -1,0 +1,375 @@
+"""One GRPO training step, as a readable loop over compiled programs.
+
+    examples --chat template--> prompts [B, P] --sampler (prefill + decode)--> completions [N, T]
+      --decode + rewards (host)--> R [N] --(dynamic sampling: refill zero-variance groups)
+      --reference log-probs (LoRA zeroed, prefix-shared; skipped when beta == 0)
+      --KL in reward (optional)--> group advantages A [N]
+      --ppo_epochs x shuffled minibatches of groups x grad-accum micro-batches--> optax updates
+
+The compiled programs are the sampler's prefill and decode, the prefix-shared scoring pass
+(`make_logprobs_fn`, shared by the reference and old-policy passes) and the update
+(`make_update_fn`); each compiles once per shape bucket, so a second step with the same
+buckets compiles nothing.
+
+The frozen weights (the base model under LoRA) live in the `Learner`, never in the state: they
+are passed to every program and never donated, checkpointed or copied. The reference policy is
+`state.ref_params` with the same frozen weights: zero LoRA (B = 0) at the start, a snapshot of
+the policy after a reference reset, or for full fine-tuning a frozen copy of the weights.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxgrpo import sharding
+from jaxgrpo.models.lora import zero_lora
+from jaxgrpo.rl import evaluation, step_metrics
+from jaxgrpo.rl import rollout as ro
+from jaxgrpo.rl.logprobs import make_logprobs_fn
+from jaxgrpo.rl.objective import ObjectiveSpec, make_loss_fn
+from jaxgrpo.rl.train_state import (
+    TrainState,
+    make_optimizer,
+    make_schedule,
+    make_update_fn,
+    opt_state_shardings,
+)
+from jaxgrpo.sampling import generate_from_state
+from jaxgrpo.sampling import make_schedule as temperature_schedule
+
+Draw = Callable[[int], Sequence[dict]]
+
+
+class Learner:
+    """Owns the compiled programs of a run and applies one training step at a time.
+
+    Args:
+        cfg: the run's `TrainConfig`.
+        model: the policy `Transformer` (with LoRA adapters when `cfg.model.lora_rank > 0`),
+            its parameters already placed on `mesh`.
+        tokenizer: `jaxgrpo.models.tokenizer.Tokenizer` with a chat template.
+        task: the task (its name selects the accuracy rule).
+        reward_set: `jaxgrpo.rewards.RewardSet`.
+        mesh: the (data, fsdp, tensor) mesh; None makes one over all devices on `data`.
+    """
+
+    def __init__(self, cfg, model, tokenizer, task, reward_set, mesh=None):
+        self.cfg, self.rl = cfg, cfg.rl
+        self.tokenizer, self.task, self.reward_set = tokenizer, task, reward_set
+        self.mesh = mesh if mesh is not None else sharding.make_mesh({"data": -1})
+        self.model_cfg = model.cfg
+        self.lora = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
+        trainable, frozen = (nnx.LoRAParam, nnx.Param) if self.lora else (nnx.Param, ...)
+        self.graphdef, params, frozen_state = nnx.split(model, trainable, frozen)
+        rules = getattr(getattr(model, "shard_ctx", None), "rules", sharding.TRAIN_RULES)
+        self.param_sh = sharding.param_shardings(params, self.mesh, rules)
+        self.frozen_sh = sharding.param_shardings(frozen_state, self.mesh, rules)
+        self._params0 = _place(params, self.param_sh)
+        self.frozen = _place(frozen_state, self.frozen_sh)
+        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self._check_batch_layout()
+        self.updates_per_step = self.rl.ppo_epochs * self.rl.num_minibatches
+        total = max(1, cfg.steps * self.updates_per_step)
+        self.schedule = make_schedule(cfg.optim, total, self.updates_per_step)
+        self.optimizer = make_optimizer(cfg.optim, total, self.updates_per_step)
+        self.needs_ref = self.rl.beta > 0
+        self.old_from = self._old_logp_source()
+        self.objective = ObjectiveSpec(
+            group_size=self.rl.group_size,
+            loss_type=self.rl.loss_type,
+            eps_low=self.rl.eps_low,
+            eps_high=self.rl.eps_high,
+            beta=0.0 if self.rl.kl_in_reward else self.rl.beta,
+            kl_estimator=self.rl.kl_estimator,
+            entropy_coef=self.rl.entropy_coef,
+            tis_cap=self.rl.tis_cap,
+            use_old_logp=self.old_from != "none",
+            use_ref_logp=self.needs_ref and not self.rl.kl_in_reward,
+        )
+        self._temperature = self._make_temperature()
+        self._build_programs()
+
+    # ------------------------------------------------------------------------------------------
+    # Set-up.
+
+    def _check_batch_layout(self) -> None:
+        parts = self.rl.num_minibatches * self.rl.grad_accum
+        if self.rl.prompts_per_step % parts:
+            raise ValueError(
+                f"rl.prompts_per_step={self.rl.prompts_per_step} must be divisible by "
+                f"rl.num_minibatches * rl.grad_accum = {parts}: minibatches hold whole groups"
+            )
+
+    def _old_logp_source(self) -> str:
+        """Where behaviour log-probs come from when an update is not on-policy."""
+        if self.updates_per_step == 1:
+            return "none"  # on-policy: the loss uses stop_gradient(logp) of its own pass
+        exact = self.model_cfg.dtype == "float32" and self.rl.tis_cap <= 0
+        return "sampler" if exact else "forward"
+
+    def _make_temperature(self) -> Callable[[int], float]:
+        s, t0 = self.cfg.sampling.temperature_schedule, self.cfg.sampling.temperature
+        if s.kind == "constant":
+            return lambda step: float(t0)
+        fn = temperature_schedule(s.kind, init=t0, end=s.end, steps=s.steps or self.cfg.steps)
+        return lambda step: float(fn(step))
+
+    def _state_shardings(self, with_ref: bool) -> TrainState:
+        r = self.replicated
+        return TrainState(
+            params=self.param_sh,
+            opt_state=opt_state_shardings(self.optimizer, self._params0, self.param_sh),
+            step=r,
+            rng=r,
+            ref_params=self.param_sh if with_ref else None,
+            skipped=r,
+        )
+
+    def _build_programs(self) -> None:
+        self.state_sh = self._state_shardings(self.needs_ref)
+        self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.param_sh)
+        self._zero = jax.jit(zero_lora, out_shardings=self.param_sh)
+        self._opt_init = jax.jit(self.optimizer.init, out_shardings=self.state_sh.opt_state)
+        self._logprobs = make_logprobs_fn(self.graphdef, group_size=self.rl.group_size)
+        self._advance = jax.jit(
+            lambda step, rng: (step + 1, *jax.random.split(rng, 3)),
+            out_shardings=self.replicated,
+        )
+        batch_sh = self._batch_shardings()
+        self._update = make_update_fn(
+            make_loss_fn(self.graphdef, self.objective),
+            self.optimizer,
+            state_sh=self.state_sh,
+            frozen_sh=self.frozen_sh,
+            batch_sh=batch_sh,
+            idx_sh=self.replicated,
+        )
+
+    def _batch_shardings(self) -> ro.RolloutBatch:
+        b = self.rl.prompts_per_step
+        n = b * self.rl.group_size
+        rows = ro.batch_sharding(self.mesh, n, 2)
+        return ro.RolloutBatch(
+            prompt_ids=ro.batch_sharding(self.mesh, b, 2),
+            prompt_mask=ro.batch_sharding(self.mesh, b, 2),
+            tokens=rows,
+            mask=rows,
+            temps=rows,
+            sampler_logp=rows,
+            old_logp=rows,
+            ref_logp=rows,
+            advantages=ro.batch_sharding(self.mesh, n, 1),
+        )
+
+    def _scalar(self, value, dtype) -> jax.Array:
+        x = np.asarray(value, dtype)
+        return jax.make_array_from_callback(x.shape, self.replicated, lambda _: x)
+
+    def init_state(self) -> TrainState:
+        """A fresh state: initial trainable params, optimizer state, step 0, seeded RNG."""
+        params = self._copy(self._params0)
+        ref = None
+        if self.needs_ref:
+            ref = self._zero(params) if self.lora else self._copy(params)
+        key = np.asarray(jax.random.key_data(jax.random.key(self.cfg.seed + 1)))
+        return TrainState(
+            params=params,
+            opt_state=self._opt_init(params),
+            step=self._scalar(0, np.int32),
+            rng=self._scalar(key, np.uint32),
+            ref_params=ref,
+            skipped=self._scalar(0, np.int32),
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # The step.
+
+    def step(
+        self, state: TrainState, examples: Sequence[dict], draw: Draw | None = None
+    ) -> tuple[TrainState, dict[str, float], list[dict]]:
+        """One training step on `examples` (B task examples).
+
+        Args:
+            state: the current state (donated: do not reuse it afterwards).
+            examples: `rl.prompts_per_step` examples.
+            draw: `draw(n)` returns n more examples; dynamic sampling uses it to refill groups
+                whose rewards are all equal (without it, such groups are kept).
+
+        Returns:
+            (new state, metrics of scalars, samples: one dict per completion).
+        """
+        t_start = time.perf_counter()
+        step = int(ro.to_host(state.step))
+        state = self._maybe_reset_reference(state, step)
+        next_step, next_rng, k_sample, k_shuffle = self._advance(state.step, state.rng)
+        timer = step_metrics.Timer()
+        rollout, draws = self._collect(state, list(examples), k_sample, step, draw, timer)
+        with timer("update"):
+            batch, extra = self._prepare(state, rollout)
+            state, update_metrics = self._optimize(state, batch, k_shuffle)
+        state = state.replace(step=next_step, rng=next_rng)
+        metrics = step_metrics.step_metrics(rollout, extra, update_metrics, timer.seconds)
+        metrics.update(
+            draws=float(draws),
+            lr=float(self.schedule(step * self.updates_per_step)),
+            temperature=self._temperature(step),
+            skipped_updates=float(ro.to_host(state.skipped)),
+        )
+        metrics["time/step_learner"] = time.perf_counter() - t_start
+        return state, metrics, step_metrics.samples(rollout, extra["advantages"], step)
+
+    def _maybe_reset_reference(self, state: TrainState, step: int) -> TrainState:
+        every = self.rl.ref_reset_every
+        if not (self.needs_ref and every > 0 and step > 0 and step % every == 0):
+            return state
+        state = state.replace(ref_params=self._copy(state.params))
+        if self.rl.ref_reset_optimizer:
+            state = state.replace(opt_state=self._opt_init(state.params))
+        return state
+
+    def _sample(self, state, examples, key, step, timer) -> ro.Rollout:
+        """Samples G completions per example and scores them (one sampling round)."""
+        g, tok = self.rl.group_size, self.tokenizer
+        sp = self.cfg.sampling
+        with timer("sampling"):
+            messages = [ex["messages"] for ex in examples]
+            ids, mask = tok.encode_chat(messages)
+            out = generate_from_state(
+                self.graphdef,
+                (state.params, self.frozen),
+                self.model_cfg,
+                ro.put_global(ids, self.mesh),
+                ro.put_global(mask, self.mesh),
+                rng=key,
+                max_new_tokens=sp.max_new_tokens,
+                temperature=self._temperature(step),
+                top_p=sp.top_p,
+                top_k=sp.top_k,
+                min_p=sp.min_p,
+                eos_ids=tok.eos_ids,
+                num_samples=g,
+                repetition_ngram=sp.repetition_guard[0],
+                repetition_count=max(sp.repetition_guard[1], 1),
+                pad_id=tok.pad_id,
+            )
+            host = {k: ro.to_host(getattr(out, k)) for k in step_metrics.SAMPLE_FIELDS}
+            timer.add_tokens(int(host["lengths"].sum()))
+        with timer("rewards"):
+            completions = tok.batch_decode(host["tokens"], host["mask"])
+            prompts = [tok.apply_chat_template(m) for m in messages for _ in range(g)]
+            rewards, per_fn, weights, correct = ro.score(
+                self.reward_set, self.task.name, examples, prompts, completions, g, step
+            )
+        return ro.Rollout(
+            examples=examples,
+            prompt_ids=ids,
+            prompt_mask=mask,
+            tokens=host["tokens"],
+            mask=host["mask"],
+            logprobs=host["logprobs"],
+            temps=host["temperatures"],
+            stop_reason=host["stop_reason"],
+            lengths=host["lengths"],
+            prompts=prompts,
+            completions=completions,
+            rewards=rewards,
+            per_fn=per_fn,
+            weights=weights,
+            correct=correct,
+        )
+
+    def _collect(self, state, examples, key, step, draw, timer) -> tuple[ro.Rollout, int]:
+        """Sampling rounds; with dynamic sampling, refills zero-variance groups from `draw`."""
+        b = self.rl.prompts_per_step
+        rounds = [self._sample(state, examples, key, step, timer)]
+        if not self.rl.dynamic_sampling:
+            return rounds[0], 1
+        kept = int((~rounds[0].zero_variance_groups()).sum())
+        while kept < b and draw is not None and len(rounds) < self.rl.dynamic_sampling_max_draws:
+            more = list(draw(b))
+            sub = jax.random.fold_in(key, len(rounds))
+            rounds.append(self._sample(state, more, sub, step, timer))
+            kept += int((~rounds[-1].zero_variance_groups()).sum())
+        merged = ro.concat(rounds, self.tokenizer.pad_id)
+        zero = merged.zero_variance_groups()
+        # Groups with signal first (in draw order), then zero-variance ones to fill the batch.
+        order = np.concatenate([np.flatnonzero(~zero), np.flatnonzero(zero)])[:b]
+        return merged.select_groups(np.sort(order)), len(rounds)
+
+    def _prepare(self, state: TrainState, r: ro.Rollout) -> tuple[ro.RolloutBatch, dict]:
+        """Reference/old log-probs, KL-in-reward, advantages, loss mask -> the device batch."""
+        put = lambda x: ro.put_global(x, self.mesh)  # noqa: E731
+        truncated = r.stop_reason == step_metrics.LENGTH
+        loss_mask = r.mask * (~truncated[:, None]) if self.rl.mask_truncated else r.mask
+        inputs = (put(r.prompt_ids), put(r.prompt_mask), put(r.tokens), put(r.mask), put(r.temps))
+        zeros = np.zeros(r.tokens.shape, np.float32)
+        sampler_logp = put(r.logprobs.astype(np.float32))
+        ref_logp = old_logp = put(zeros)
+        if self.needs_ref:
+            ref_logp = self._logprobs(state.ref_params, self.frozen, *inputs)[0]
+        if self.old_from == "forward":
+            old_logp = self._logprobs(state.params, self.frozen, *inputs)[0]
+        elif self.old_from == "sampler":
+            old_logp = sampler_logp
+        rewards = r.rewards
+        extra: dict[str, Any] = {}
+        if self.needs_ref and self.rl.kl_in_reward:
+            behaviour = ro.to_host(old_logp) if self.old_from == "forward" else r.logprobs
+            kl_NT = np.where(r.mask > 0, behaviour - ro.to_host(ref_logp), 0.0)
+            extra["kl_in_reward"] = kl_NT.sum(-1)
+            rewards = rewards - self.rl.beta * extra["kl_in_reward"]
+        adv, adv_metrics = step_metrics.advantages(rewards, self.rl.group_size, self.rl.adv_scale)
+        extra.update(advantages=adv, adv_metrics=adv_metrics, loss_mask=loss_mask)
+        batch = ro.RolloutBatch(
+            prompt_ids=inputs[0],
+            prompt_mask=inputs[1],
+            tokens=inputs[2],
+            mask=put(loss_mask.astype(np.int32)),
+            temps=inputs[4],
+            sampler_logp=sampler_logp,
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            advantages=put(adv.astype(np.float32)),
+        )
+        return batch, extra
+
+    def _optimize(self, state: TrainState, batch: ro.RolloutBatch, key) -> tuple[TrainState, dict]:
+        """ppo_epochs x shuffled minibatches of whole groups, each A micro-batches of M groups."""
+        b = self.rl.prompts_per_step
+        a, m = self.rl.grad_accum, b // (self.rl.num_minibatches * self.rl.grad_accum)
+        rng = np.random.default_rng(ro.to_host(key).astype(np.uint64).tolist())
+        history: list[dict] = []
+        for _ in range(self.rl.ppo_epochs):
+            perm = rng.permutation(b).astype(np.int32)
+            for idx_AM in perm.reshape(self.rl.num_minibatches, a, m):
+                state, metrics = self._update(
+                    state, self.frozen, batch, self._scalar(idx_AM, np.int32)
+                )
+                history.append(metrics)
+        return state, step_metrics.reduce_updates(history)
+
+    # ------------------------------------------------------------------------------------------
+    # Evaluation.
+
+    def evaluate(self, state: TrainState, examples: Sequence[dict]) -> dict[str, float]:
+        """Greedy completions of `examples`: strict/lenient accuracy, reward, length."""
+        return evaluation.evaluate(self, state, examples)
+
+
+def _place(tree, shardings):
+    """Puts `tree` on `shardings`, leaving leaves that are already there untouched."""
+
+    def put(x, s):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
+            return x
+        return jax.device_put(x, s)
+
+    return jax.tree.map(put, tree, shardings)

@@ -1,0 +1,132 @@
+"""The differentiable micro-batch loss of the update: scoring + `policy_loss` + global normaliser.
+
+One optimizer update trains on a minibatch of whole groups (a group's G completions share their
+prompt, so prefix sharing needs them together), split into A micro-batches of M groups whose
+gradients are summed. The loss of each micro-batch is normalised by the token and sequence
+counts of the whole minibatch (`loss_normalizers`), so the summed gradient is exactly the
+minibatch gradient for every loss type (see `jaxgrpo.rl.losses`).
+
+Behaviour log-probs: on-policy (one update per rollout) the ratio is taken against
+`stop_gradient(logp)` of this very pass, so no extra forward is needed; otherwise the rollout
+carries `old_logp`. The sampler's own log-probs give the sampler-versus-trainer gap metric and,
+with `tis_cap > 0`, truncated importance weights `min(exp(behaviour - sampler), cap)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxgrpo.rl.logprobs import shared_prefix_logprobs
+from jaxgrpo.rl.losses import loss_normalizers, policy_loss, truncated_is_weights
+from jaxgrpo.rl.rollout import RolloutBatch
+from jaxgrpo.types import Array, PyTree
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectiveSpec:
+    """Static choices of the loss (hashable; closed over by the compiled update).
+
+    Attributes:
+        group_size: G.
+        loss_type: `policy_loss` preset.
+        eps_low / eps_high: clip ranges.
+        beta: KL coefficient in the loss (0 when the KL goes into the reward).
+        kl_estimator: "k1", "k2" or "k3".
+        entropy_coef: entropy bonus weight.
+        tis_cap: truncated importance-sampling cap; 0 = off.
+        use_old_logp: take behaviour log-probs from the batch (several updates per rollout).
+        use_ref_logp: add the KL term against the batch's reference log-probs.
+        chunk_size: positions per logits block.
+    """
+
+    group_size: int
+    loss_type: str
+    eps_low: float
+    eps_high: float
+    beta: float
+    kl_estimator: str
+    entropy_coef: float
+    tis_cap: float
+    use_old_logp: bool
+    use_ref_logp: bool
+    chunk_size: int = 64
+
+
+def group_rows(idx_M: Array, group_size: int) -> Array:
+    """Row indices [M * G] of the completions of groups `idx_M` [M]."""
+    return (idx_M[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
+
+
+def _masked_mean(x_NT: Array, mask_NT: Array) -> Array:
+    m = mask_NT.astype(jnp.float32)
+    return jnp.sum(x_NT * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def make_loss_fn(
+    graphdef: nnx.GraphDef, spec: ObjectiveSpec
+) -> Callable[[PyTree, PyTree, RolloutBatch, Array, Array], tuple[Array, dict[str, Array]]]:
+    """Builds `loss_fn(params, frozen, batch, idx_M, idx_AM) -> (loss, metrics)`.
+
+    Args:
+        graphdef: graph definition from `nnx.split(model, trainable, frozen)`.
+        spec: the static loss choices.
+
+    Returns:
+        The micro-batch loss over groups `idx_M` [M], normalised by the whole minibatch
+        `idx_AM` [A, M]; differentiable in `params`.
+    """
+    g = spec.group_size
+
+    def loss_fn(params, frozen, batch: RolloutBatch, idx_M, idx_AM):
+        rows = group_rows(idx_M, g)
+
+        def take(x, index):
+            return jnp.take(x, index, axis=0)
+
+        model = nnx.merge(graphdef, params, frozen)
+        mask = take(batch.mask, rows)
+        logp, entropy = shared_prefix_logprobs(
+            model,
+            take(batch.prompt_ids, idx_M),
+            take(batch.prompt_mask, idx_M),
+            take(batch.tokens, rows),
+            mask,
+            take(batch.temps, rows),
+            group_size=g,
+            chunk_size=spec.chunk_size,
+        )
+        sampler_logp = take(batch.sampler_logp, rows)
+        old_logp = take(batch.old_logp, rows) if spec.use_old_logp else None
+        behaviour = jax.lax.stop_gradient(logp) if old_logp is None else old_logp
+        is_weights = None
+        if spec.tis_cap > 0:
+            is_weights = truncated_is_weights(behaviour, sampler_logp, spec.tis_cap)
+        norms = loss_normalizers(take(batch.mask, group_rows(idx_AM.reshape(-1), g)))
+        loss, metrics = policy_loss(
+            logp,
+            old_logp,
+            take(batch.ref_logp, rows) if spec.use_ref_logp else None,
+            take(batch.advantages, rows),
+            mask,
+            loss_type=spec.loss_type,
+            eps_low=spec.eps_low,
+            eps_high=spec.eps_high,
+            beta=spec.beta,
+            kl_estimator=spec.kl_estimator,
+            max_completion_length=batch.tokens.shape[1],
+            entropy_coef=spec.entropy_coef,
+            entropy=entropy,
+            is_weights=is_weights,
+            **norms,
+        )
+        gap = jnp.abs(jax.lax.stop_gradient(logp) - sampler_logp)
+        metrics["sampler_logp_gap"] = _masked_mean(gap, mask)
+        metrics["sampler_logp_gap_max"] = jnp.max(jnp.where(mask > 0, gap, 0.0))
+        return loss, metrics
+
+    return loss_fn

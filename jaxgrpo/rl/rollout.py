@@ -1,0 +1,218 @@
+"""Rollouts: prompts -> sampled groups -> decoded text -> rewards, and host/device transfer.
+
+A `Rollout` is the host-side record of one sampling round (numpy arrays and strings), which
+the learner scores, filters (dynamic sampling), logs and turns into the device-side
+`RolloutBatch` that the scoring passes and the update consume.
+
+Multi-host: every process tokenizes the whole batch of prompts (they are the same on every
+host, drawn from the same seeded stream) and `put_global` hands JAX only the slices its devices
+hold, so each host feeds its part of the batch. Completions come back to every host
+(`to_host`) so rewards, advantages and metrics are computed identically everywhere and no
+host-to-host exchange of Python objects is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import flax.struct
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxgrpo.rl import accuracy
+from jaxgrpo.types import Array
+
+BATCH_AXES = ("data", "fsdp")
+
+
+def batch_sharding(mesh: Mesh, rows: int, ndim: int) -> NamedSharding:
+    """Rows over (data, fsdp) when they divide evenly, else replicated."""
+    size = mesh.shape["data"] * mesh.shape["fsdp"]
+    if rows % size:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
+
+
+def put_global(x: np.ndarray, mesh: Mesh) -> Array:
+    """A global array from a host array that every process holds in full."""
+    x = np.asarray(x)
+    sharding = batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else _replicated(mesh)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def _replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def to_host(x: Array) -> np.ndarray:
+    """The whole value of a (possibly multi-host) array on this host."""
+    if isinstance(x, np.ndarray) or x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+@flax.struct.dataclass
+class RolloutBatch:
+    """Device arrays of one step's training batch (B prompts, N = B * G completions).
+
+    Attributes:
+        prompt_ids: int32 [B, P] left-padded prompts.
+        prompt_mask: int32 [B, P].
+        tokens: int32 [N, T] completions (row b*G + g is sample g of prompt b).
+        mask: int32 [N, T] loss mask (sampler mask, zeroed for truncated rows when masking).
+        temps: float32 [N, T] temperature each token was sampled at.
+        sampler_logp: float32 [N, T] log-probs reported by the sampler.
+        old_logp: float32 [N, T] behaviour log-probs from a trainer forward pass (zeros when
+            the update is on-policy and does not need them).
+        ref_logp: float32 [N, T] reference log-probs (zeros when there is no KL term).
+        advantages: float32 [N].
+    """
+
+    prompt_ids: Array
+    prompt_mask: Array
+    tokens: Array
+    mask: Array
+    temps: Array
+    sampler_logp: Array
+    old_logp: Array
+    ref_logp: Array
+    advantages: Array
+
+
+@dataclasses.dataclass
+class Rollout:
+    """Host-side record of sampled groups.
+
+    Attributes:
+        examples: the B task examples.
+        prompt_ids / prompt_mask: int32 [B, P].
+        tokens / mask / logprobs / temps: [N, T] sampler outputs.
+        stop_reason / lengths: int32 [N].
+        prompts / completions: N prompt texts (rendered chat) and decoded completions.
+        rewards: float32 [N] weighted total; per_fn: name -> float32 [N] raw values (NaN where
+            a function returned None); weights: name -> weight used this step.
+        correct: bool [N] strict correctness, or None when the task has no notion of it.
+    """
+
+    examples: list[dict]
+    prompt_ids: np.ndarray
+    prompt_mask: np.ndarray
+    tokens: np.ndarray
+    mask: np.ndarray
+    logprobs: np.ndarray
+    temps: np.ndarray
+    stop_reason: np.ndarray
+    lengths: np.ndarray
+    prompts: list[str]
+    completions: list[str]
+    rewards: np.ndarray
+    per_fn: dict[str, np.ndarray]
+    weights: dict[str, float]
+    correct: np.ndarray | None
+
+    @property
+    def group_size(self) -> int:
+        return self.tokens.shape[0] // self.prompt_ids.shape[0]
+
+    def zero_variance_groups(self) -> np.ndarray:
+        """bool [B]: groups whose rewards are all equal (no GRPO signal)."""
+        r_BG = self.rewards.reshape(-1, self.group_size)
+        return np.all(r_BG == r_BG[:, :1], axis=1)
+
+    def select_groups(self, keep_B: np.ndarray) -> Rollout:
+        """The rollout restricted to the groups at indices `keep_B` (in that order)."""
+        g = self.group_size
+        rows = (np.asarray(keep_B)[:, None] * g + np.arange(g)).reshape(-1)
+        return _take(self, np.asarray(keep_B), rows)
+
+
+def _take(r: Rollout, groups: np.ndarray, rows: np.ndarray) -> Rollout:
+    return Rollout(
+        examples=[r.examples[i] for i in groups],
+        prompt_ids=r.prompt_ids[groups],
+        prompt_mask=r.prompt_mask[groups],
+        tokens=r.tokens[rows],
+        mask=r.mask[rows],
+        logprobs=r.logprobs[rows],
+        temps=r.temps[rows],
+        stop_reason=r.stop_reason[rows],
+        lengths=r.lengths[rows],
+        prompts=[r.prompts[i] for i in rows],
+        completions=[r.completions[i] for i in rows],
+        rewards=r.rewards[rows],
+        per_fn={k: v[rows] for k, v in r.per_fn.items()},
+        weights=r.weights,
+        correct=None if r.correct is None else r.correct[rows],
+    )
+
+
+def _left_pad(ids: np.ndarray, mask: np.ndarray, length: int, pad_id: int):
+    extra = length - ids.shape[1]
+    if extra <= 0:
+        return ids, mask
+    return (
+        np.pad(ids, ((0, 0), (extra, 0)), constant_values=pad_id),
+        np.pad(mask, ((0, 0), (extra, 0))),
+    )
+
+
+def concat(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
+    """Concatenates rollouts group-wise, left-padding prompts to the longest bucket."""
+    if len(rollouts) == 1:
+        return rollouts[0]
+    p = max(r.prompt_ids.shape[1] for r in rollouts)
+    padded = [_left_pad(r.prompt_ids, r.prompt_mask, p, pad_id) for r in rollouts]
+
+    def cat(name):
+        return np.concatenate([getattr(r, name) for r in rollouts], axis=0)
+
+    correct = None if rollouts[0].correct is None else cat("correct")
+    return Rollout(
+        examples=[e for r in rollouts for e in r.examples],
+        prompt_ids=np.concatenate([ids for ids, _ in padded]),
+        prompt_mask=np.concatenate([m for _, m in padded]),
+        tokens=cat("tokens"),
+        mask=cat("mask"),
+        logprobs=cat("logprobs"),
+        temps=cat("temps"),
+        stop_reason=cat("stop_reason"),
+        lengths=cat("lengths"),
+        prompts=[p for r in rollouts for p in r.prompts],
+        completions=[c for r in rollouts for c in r.completions],
+        rewards=cat("rewards"),
+        per_fn={k: np.concatenate([r.per_fn[k] for r in rollouts]) for k in rollouts[0].per_fn},
+        weights=rollouts[0].weights,
+        correct=correct,
+    )
+
+
+def columns_for(examples: Sequence[dict], group_size: int) -> dict[str, list[Any]]:
+    """Reward columns (every key but `messages`), each repeated for the G samples."""
+    keys = [k for k in examples[0] if k != "messages"]
+    return {k: [ex.get(k) for ex in examples for _ in range(group_size)] for k in keys}
+
+
+def score(
+    reward_set: Any,
+    task_name: str,
+    examples: Sequence[dict],
+    prompts: list[str],
+    completions: list[str],
+    group_size: int,
+    step: int,
+):
+    """Runs the reward set and the strict-correctness check on N completions.
+
+    Returns:
+        (total float32 [N], per_fn name -> float32 [N], weights, correct bool [N] or None).
+    """
+    columns = columns_for(examples, group_size)
+    total, per_fn, weights = reward_set(prompts, completions, columns, step)
+    total = np.nan_to_num(np.asarray(total, np.float32))
+    per_fn = {k: np.asarray(v, np.float32) for k, v in per_fn.items()}
+    correct = accuracy.strict_correct(task_name, completions, columns)
+    return total, per_fn, dict(weights), correct

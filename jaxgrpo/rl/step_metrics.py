@@ -1,0 +1,171 @@
+"""Host-side metrics of a training step and of an evaluation pass.
+
+Key names (the logger's progress bar and dead-run check read the first group):
+
+    reward/mean, reward/std, kl/mean, completion/truncated_frac, time/{sampling,rewards,update}
+    reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
+    accuracy                    strict correctness (jaxgrpo.rl.accuracy), when the task has one
+    adv/{mean,std,min,max}, adv/frac_zero_std_groups
+    completion/length_mean, completion/length_correct, completion/length_incorrect
+    completion/stop_<reason>_frac    LENGTH / STOP_TOKEN / REPETITION
+    entropy, loss, policy_loss, kl_loss, clip_frac{,_low,_high}, ratio_{mean,min,max},
+    grad_norm, sampler_logp_gap{,_max}, update_skipped       averaged over the step's updates
+    tokens_per_s                generated tokens per second of sampling
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxgrpo.rl import accuracy
+from jaxgrpo.rl.advantages import group_advantages
+from jaxgrpo.rl.rollout import Rollout, columns_for, to_host
+from jaxgrpo.sampling import StopReason
+
+LENGTH = int(StopReason.LENGTH)
+SAMPLE_FIELDS = ("tokens", "mask", "logprobs", "temperatures", "stop_reason", "lengths")
+_UPDATE_RENAMES = {"kl_mean": "kl/mean", "entropy_mean": "entropy"}
+_UPDATE_MINMAX = {"ratio_min": min, "ratio_max": max, "sampler_logp_gap_max": max}
+
+
+class Timer:
+    """Accumulates wall time per phase (`with timer("sampling"): ...`) and generated tokens."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {"sampling": 0.0, "rewards": 0.0, "update": 0.0}
+        self.tokens = 0
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+
+    def add_tokens(self, n: int) -> None:
+        self.tokens += n
+
+
+def advantages(rewards: np.ndarray, group_size: int, scale: str) -> tuple[np.ndarray, dict]:
+    """Group advantages (jaxgrpo.rl.advantages) as numpy, plus their summary statistics."""
+    adv, m = group_advantages(
+        np.asarray(rewards, np.float32), group_size, scale, return_metrics=True
+    )
+    adv = np.asarray(adv, np.float32)
+    metrics = {
+        "adv/mean": float(adv.mean()),
+        "adv/std": float(adv.std()),
+        "adv/min": float(adv.min()),
+        "adv/max": float(adv.max()),
+        "adv/frac_zero_std_groups": float(m["frac_zero_std_groups"]),
+    }
+    return adv, metrics
+
+
+def reduce_updates(history: Sequence[dict]) -> dict:
+    """Per-update metric dicts (device scalars) -> one dict: means, or min/max where apt."""
+    host = [{k: float(to_host(v)) for k, v in h.items()} for h in history]
+    out = {}
+    for key in host[0]:
+        values = [h[key] for h in host]
+        reduce = _UPDATE_MINMAX.get(key)
+        out[_UPDATE_RENAMES.get(key, key)] = reduce(values) if reduce else float(np.mean(values))
+    # The policy only equals the sampler's at the first update of the step.
+    out["sampler_logp_gap"] = host[0]["sampler_logp_gap"]
+    out["updates"] = float(len(host))
+    return out
+
+
+def _mean(x) -> float:
+    x = np.asarray(x, np.float64)
+    return float(x.mean()) if x.size else math.nan
+
+
+def _std(x) -> float:
+    x = np.asarray(x, np.float64)
+    return float(x.std(ddof=1)) if x.size > 1 else 0.0
+
+
+def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[str, float]:
+    """All scalar metrics of one step (see the module docstring for the keys)."""
+    m: dict[str, float] = {"reward/mean": _mean(r.rewards), "reward/std": _std(r.rewards)}
+    for name, values in r.per_fn.items():
+        finite = values[np.isfinite(values)]
+        m[f"reward/{name}/mean"] = _mean(finite)
+        m[f"reward/{name}/std"] = _std(finite)
+        m[f"reward/{name}/weight"] = float(r.weights.get(name, math.nan))
+    lengths = r.lengths.astype(np.float64)
+    m["completion/length_mean"] = _mean(lengths)
+    if r.correct is not None:
+        m["accuracy"] = _mean(r.correct)
+        m["completion/length_correct"] = _mean(lengths[r.correct])
+        m["completion/length_incorrect"] = _mean(lengths[~r.correct])
+    m["completion/truncated_frac"] = _mean(r.stop_reason == LENGTH)
+    for reason in StopReason:
+        m[f"completion/stop_{reason.name.lower()}_frac"] = _mean(r.stop_reason == int(reason))
+    if "kl_in_reward" in extra:
+        m["kl/in_reward_mean"] = _mean(extra["kl_in_reward"])
+    m.update(extra["adv_metrics"])
+    m.update(update)
+    m.setdefault("kl/mean", 0.0)
+    m.update({f"time/{k}": v for k, v in seconds.items()})
+    m["tokens_per_s"] = float(r.lengths.sum()) / max(seconds.get("sampling", 0.0), 1e-9)
+    return m
+
+
+def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:
+    """One JSON-able dict per completion, for `samples.jsonl`."""
+    out = []
+    for i, (prompt, completion) in enumerate(zip(r.prompts, r.completions, strict=True)):
+        row = {
+            "step": step,
+            "group": i // r.group_size,
+            "prompt": prompt,
+            "completion": completion,
+            "reward": float(r.rewards[i]),
+            "rewards": {k: float(v[i]) for k, v in r.per_fn.items()},
+            "advantage": float(adv[i]),
+            "length": int(r.lengths[i]),
+            "stop_reason": StopReason(int(r.stop_reason[i])).name,
+        }
+        if r.correct is not None:
+            row["correct"] = bool(r.correct[i])
+        out.append(row)
+    return out
+
+
+def eval_metrics(
+    reward_set: Any,
+    task_name: str,
+    examples: Sequence[dict],
+    prompts: list[str],
+    completions: list[str],
+    lengths: Sequence[int],
+    truncated: Sequence[bool],
+) -> dict[str, float]:
+    """Strict/lenient accuracy, reward and length of one completion per example."""
+    columns = columns_for(examples, 1)
+    total, per_fn, _ = reward_set(prompts, completions, columns, 0)
+    m = {
+        "num_examples": float(len(examples)),
+        "reward_mean": _mean(np.nan_to_num(np.asarray(total, np.float64))),
+        "length_mean": _mean(lengths),
+        "truncated_frac": _mean(truncated),
+    }
+    for name, values in per_fn.items():
+        values = np.asarray(values, np.float64)
+        m[f"reward/{name}/mean"] = _mean(values[np.isfinite(values)])
+    strict = accuracy.strict_correct(task_name, completions, columns)
+    lenient = accuracy.lenient_correct(completions, columns)
+    if strict is not None:
+        m["strict_accuracy"] = _mean(strict)
+    if lenient is not None:
+        m["accuracy"] = _mean(lenient)
+    return m
