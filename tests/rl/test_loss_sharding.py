@@ -105,51 +105,56 @@ def _close(actual, desired, what):
     np.testing.assert_allclose(actual, desired, rtol=1e-5, atol=1e-5 * scale, err_msg=what)
 
 
+def _every_loss_type(w_FV, batch, norm):
+    return {lt: jax.grad(_loss)(w_FV, batch, norm, lt) for lt in LOSS_TYPES}
+
+
+@pytest.fixture(scope="module")
+def full_grads(problem):
+    """Reference: each loss type's gradient of the whole batch on one device, own normalisers."""
+    w, batch = problem
+    grads = jax.jit(functools.partial(_every_loss_type, norm=None))(w, batch)
+    assert all(np.abs(g).max() > 0 for g in grads.values())
+    return grads
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
-def test_microbatch_accumulation_equals_full_batch(problem, loss_type):
+def test_microbatch_accumulation_equals_full_batch(problem, full_grads, loss_type):
     w, batch = problem
 
     @jax.jit
-    def all_grads(w, batch):
+    def accumulated(w, batch):
         grad = jax.grad(functools.partial(_loss, loss_type=loss_type))
-        full = grad(w, batch, norm=None)
         norm = _global_norm(w, batch)
         acc = {k: _accumulated(grad, w, batch, k, norm) for k in (1, 2, 4)}
-        naive = _accumulated(grad, w, batch, 4)
-        return full, acc, naive
+        return acc, _accumulated(grad, w, batch, 4)
 
-    full, acc, naive = all_grads(w, batch)
-    assert np.abs(full).max() > 0
+    acc, naive = accumulated(w, batch)
+    full = full_grads[loss_type]
     for k, g in acc.items():
         _close(g, full, f"{loss_type}: {k} micro-batches")
     # Each micro-batch normalised by itself is wrong: the test can tell the difference.
     assert not np.allclose(naive, full, rtol=1e-3), loss_type
 
 
-def test_eight_devices_equal_one(problem):
+def test_eight_devices_equal_one(problem, full_grads):
     w, batch = problem
     assert jax.device_count() == 8, "tests/conftest.py sets 8 virtual CPU devices"
     # Auto axis types (GSPMD), as jaxgrpo.sharding builds its meshes.
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
-
-    def every_loss_type(w, batch, norm):
-        return {lt: jax.grad(_loss)(w, batch, norm, lt) for lt in LOSS_TYPES}
-
-    single = jax.jit(functools.partial(every_loss_type, norm=None))(w, batch)
-    rows = NamedSharding(mesh, P("data"))
-    batch_sharded = jax.device_put(batch, rows)
+    batch_sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
     w_rep = jax.device_put(w, NamedSharding(mesh, P()))
-    gspmd = jax.jit(functools.partial(every_loss_type, norm=None))(w_rep, batch_sharded)
+    gspmd = jax.jit(functools.partial(_every_loss_type, norm=None))(w_rep, batch_sharded)
 
     # Each device: its 2 rows with the whole step's normalisers. shard_map's autodiff already
     # all-reduces the gradient of the replicated `w` (the transpose of its implicit broadcast
     # to the devices is a psum), so the result is the sum of the per-device gradients.
-    per_device = every_loss_type
+    per_device = _every_loss_type
 
     norm = _global_norm(w, batch)
     explicit = jax.jit(
         jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P("data"), P()), out_specs=P())
     )(w_rep, batch_sharded, norm)
     for lt in LOSS_TYPES:
-        _close(gspmd[lt], single[lt], f"{lt}: jit over an 8-device mesh")
-        _close(explicit[lt], single[lt], f"{lt}: shard_map + psum with global normalisers")
+        _close(gspmd[lt], full_grads[lt], f"{lt}: jit over an 8-device mesh")
+        _close(explicit[lt], full_grads[lt], f"{lt}: shard_map + psum with global normalisers")
