@@ -19,6 +19,10 @@ Aggregations (``x`` per-token values, ``m`` the mask, ``n_i = sum_t m_it``):
   * ``"token_mean"``: ``sum_it x_it m_it / num_tokens``;
   * ``"constant"``: ``sum_it x_it m_it / (num_sequences * max_completion_length)``.
 
+Rows with no valid token count in ``num_sequences`` (as in TRL) and contribute 0. The KL
+term ``beta * k(ref_logp - logp)`` (``kl.py``) and the entropy bonus ``-entropy_coef * H``
+are per-token values aggregated the same way as the surrogate.
+
 Presets (``loss_type``): ``grpo`` = clip + seq_mean_token_mean (DeepSeekMath); ``dapo`` =
 clip + token_mean; ``dr_grpo`` = clip + constant (Dr. GRPO); ``gr_reinforce`` = reinforce +
 seq_mean_token_mean; ``gspo`` = clip at sequence level + seq_mean_token_mean.
@@ -30,7 +34,12 @@ micro-batch losses and gradients: every aggregation above is then a sum of per-s
 terms over one global constant, so the accumulated gradient equals the full-batch gradient
 for every loss type. (Sequence means use each sequence's own token count, which is local
 because a sequence is never split.) The same holds for ``entropy_threshold``: pass the
-whole-step value from ``top_entropy_threshold`` instead of ``top_entropy_frac``.
+whole-step value from ``top_entropy_threshold`` instead of ``top_entropy_frac``. Under
+``jit`` over a sharded mesh (GSPMD) the arrays already are the whole step: nothing to pass.
+
+Everything is a pure, jittable function of arrays. Strings and ``None``-able options fix the
+program structure (static); all numeric coefficients may be traced, so changing them between
+steps never recompiles.
 """
 
 from __future__ import annotations
