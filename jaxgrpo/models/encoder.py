@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.types import Array
 
 
@@ -223,11 +224,6 @@ def load_bert_weights(model: BertEncoder, tensors: dict[str, np.ndarray]) -> Non
         param.set_value(jnp.asarray(value))
 
 
-def _bucket(n: int, low: int, high: int) -> int:
-    """Smallest power of two >= n, clipped to [low, high]."""
-    return int(min(max(low, 1 << max(n - 1, 0).bit_length()), high))
-
-
 class SentenceEncoder:
     """Tokenizer + jitted BERT + pooling: ``encode(texts) -> [N, D]`` unit-norm embeddings."""
 
@@ -274,7 +270,7 @@ class SentenceEncoder:
     def tokenize(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """Right-padded ids [N, S] and mask [N, S] (int32), S a power-of-two bucket."""
         encodings = self.tokenizer.encode_batch(list(texts))
-        s = _bucket(max(len(e.ids) for e in encodings), 32, self.max_length)
+        s = bucket_length(max(len(e.ids) for e in encodings), 32, self.max_length)
         ids = np.zeros((len(texts), s), np.int32)
         mask = np.zeros((len(texts), s), np.int32)
         for i, e in enumerate(encodings):
@@ -288,18 +284,19 @@ class SentenceEncoder:
         for start in range(0, len(texts), batch_size):
             ids, mask = self.tokenize(texts[start : start + batch_size])
             n = ids.shape[0]
-            rows = _bucket(n, 1, batch_size)
+            rows = bucket_length(n, 1, batch_size)
             if rows > n:  # Pad rows with one-token dummies so few batch shapes compile.
                 ids = np.concatenate([ids, np.zeros((rows - n, ids.shape[1]), np.int32)])
                 mask = np.concatenate([mask, np.zeros((rows - n, mask.shape[1]), np.int32)])
                 mask[n:, 0] = 1
             out.append(np.asarray(self._embed(self.state, ids, mask))[:n])
         if not out:
-            return np.zeros((0, self.state_dim), np.float32)
+            return np.zeros((0, self.dim), np.float32)
         return np.concatenate(out)
 
     @property
-    def state_dim(self) -> int:
+    def dim(self) -> int:
+        """D, the embedding width."""
         return int(self.state["word"].shape[-1])
 
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.rewards.embedding import reasoning_text
 from jaxgrpo.types import Array
 
@@ -52,10 +53,6 @@ def _text_encoder(tokenizer) -> Callable[[str], list[int]]:
     if hasattr(hf, "encode_batch"):  # A raw `tokenizers.Tokenizer`.
         return lambda text: list(hf.encode(text, add_special_tokens=False).ids)
     return lambda text: list(hf.encode(text, add_special_tokens=False))
-
-
-def _bucket(n: int, low: int, high: int) -> int:
-    return int(min(max(low, 1 << max(n - 1, 0).bit_length()), high))
 
 
 def sequence_nll_fn(model: nnx.Module, chunk: int = 128) -> Callable:
@@ -139,8 +136,8 @@ class PerplexityReward:
         out = np.full(len(rows), np.nan, np.float64)
         for start in range(0, len(rows), self.batch_size):
             part = rows[start : start + self.batch_size]
-            n = _bucket(len(part), 1, self.batch_size)
-            t = _bucket(max(len(ids) for ids, _ in part), self.min_bucket, self.max_length)
+            n = bucket_length(len(part), 1, self.batch_size)
+            t = bucket_length(max(len(ids) for ids, _ in part), self.min_bucket, self.max_length)
             t = -(-t // min(self.chunk, t)) * min(self.chunk, t)  # A multiple of the chunk.
             ids = np.full((n, t), self.pad_id, np.int32)
             mask = np.zeros((n, t), np.int32)
