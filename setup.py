@@ -38,7 +38,13 @@ EXTRAS = {
         "ipykernel==7.4.0",
     ],
     # Peers for benchmarks/ (not needed by the tests).
-    "bench": ["torch==2.13.0", "trl==1.16.0", "peft==0.21.2", "accelerate==1.15.0", "datasets==5.2.0"],
+    "bench": [
+        "torch==2.13.0",
+        "trl==1.16.0",
+        "peft==0.21.2",
+        "accelerate==1.15.0",
+        "datasets==5.2.0",
+    ],
     "data": ["datasets==5.2.0"],
     "tpu": ["jax[tpu]==0.10.2"],
     "gpu": ["jax[cuda12]==0.10.2"],
@@ -47,7 +53,7 @@ EXTRAS = {
 setup(
     name="jaxgrpo",
     version="0.1.0",
-    description="GRPO-family RL fine-tuning of Llama/Qwen LLMs in JAX/Flax, from a laptop CPU to a TPU pod",
+    description="GRPO-family RL fine-tuning of Llama/Qwen LLMs in JAX/Flax, laptop to TPU pod",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.11",

@@ -1,6 +1,6 @@
 """Array aliases and the axis-letter legend used in names and einsum strings.
 
-Axis letters (used as shape suffixes, e.g. ``logits_BTV``, and in einsums, e.g. ``'BTD,DNH->BTNH'``):
+Axis letters, used as shape suffixes (``logits_BTV``) and in einsums (``'BTD,DNH->BTNH'``):
 
     B batch            P prompt length       T completion / query length
     S key / cache len  D embed (hidden)      N query heads
