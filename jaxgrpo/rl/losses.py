@@ -377,10 +377,12 @@ def policy_loss(
         metrics["kl_loss"] = beta * agg(kl_NT)
         metrics["kl_mean"] = _masked_mean(jax.lax.stop_gradient(kl_NT), valid_NT)
     metrics["entropy_loss"] = jnp.zeros((), dtype)
-    if ent_NT is not None:
+    # A Python-literal 0 drops the term from the graph, so no backward pass runs through the
+    # entropy (0 * grad is not simplified away by XLA); a traced coefficient keeps it.
+    if not (isinstance(entropy_coef, int | float) and entropy_coef == 0):
+        if ent_NT is None:
+            raise ValueError("entropy_coef needs `logits` or `entropy`")
         metrics["entropy_loss"] = -entropy_coef * agg(ent_NT)
-    elif not (isinstance(entropy_coef, int | float) and entropy_coef == 0):
-        raise ValueError("entropy_coef needs `logits` or `entropy`")
     loss = metrics["policy_loss"] + metrics["kl_loss"] + metrics["entropy_loss"]
     metrics["loss"] = loss
     metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, dtype)) for k, v in metrics.items()}
