@@ -106,9 +106,11 @@ class Checkpointer:
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
+        """Steps of the complete checkpoints on disk, oldest first."""
         return list(self._manager.all_steps())
 
     def should_save(self, step: int) -> bool:
+        """Whether ``step`` is a periodic save point."""
         return self.every > 0 and step % self.every == 0
 
     def save(self, step: int, state: PyTree, meta: Mapping[str, Any], *, force: bool = False):
@@ -174,6 +176,7 @@ class Checkpointer:
         return jax.tree_util.tree_unflatten(treedef, values), meta
 
     def close(self) -> None:
+        """Waits for pending writes and releases the manager."""
         self._manager.wait_until_finished()
         self._manager.close()
 

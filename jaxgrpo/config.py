@@ -142,12 +142,16 @@ class MeshConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
+    """Save period in steps (0 = only at exit) and how many checkpoints to keep."""
+
     every: int
     keep: int
 
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
+    """Metric and sample periods and which sinks are on (see configs/base.py)."""
+
     every: int
     samples_every: int
     tensorboard: bool

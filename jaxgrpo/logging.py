@@ -179,6 +179,7 @@ class MetricsLogger:
         self._samples_file.flush()
 
     def close(self) -> None:
+        """Flushes and closes every sink."""
         if not self.active:
             return
         self._metrics_file.close()
@@ -238,6 +239,7 @@ class ProgressBar:
         return " ".join(parts)
 
     def update(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Moves the bar to ``step`` and shows ``metrics``' summary."""
         if self._bar is None:
             return
         self._bar.set_postfix_str(self.describe(metrics), refresh=False)
