@@ -154,13 +154,16 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
                 check_dead_run(step, metrics)
                 if step == cfg.steps and eval_examples:
                     metrics.update(_prefixed(learner.evaluate(state, eval_examples), "eval/"))
+                # Checkpoint before logging: once a step's metrics line exists, so does its
+                # checkpoint (when due), which is what a watcher killing the run relies on.
+                saved = ckpt.save(step, state, _meta(cfg, step, data))
                 if step % cfg.logging.every == 0 or step == cfg.steps:
                     logger.log(step, metrics)
                 every = cfg.logging.samples_every
                 if samples and every and step % every == 0:
                     logger.log_samples(step, samples)
                 bar.update(step, metrics)
-                if ckpt.save(step, state, _meta(cfg, step, data)):
+                if saved:
                     files.upload()
     finally:
         _final_save(ckpt, step, start, state, _meta(cfg, step, data))
