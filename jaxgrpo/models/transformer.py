@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxgrpo.models.config import ModelConfig
@@ -318,3 +319,31 @@ def layer_block(model: Transformer, i: int) -> Block:
     """Layer i of the stacked decoder as an ordinary (unstacked) Block, e.g. for tests."""
     graphdef, state = nnx.split(model.layers)
     return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
+
+
+def random_transformer(cfg: ModelConfig, seed: int = 0, std: float = 0.05) -> Transformer:
+    """A Transformer with random weights drawn by numpy on the host: nothing is compiled.
+
+    For tests and benchmarks: eager nnx construction compiles each initialiser separately,
+    which dominates small-model test time on CPU. Norm scales are 1 + noise, LoRA B is zero
+    (so adapters start as the identity), everything else is normal(0, std).
+    """
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    rng = np.random.default_rng(seed)
+
+    def draw(path, var):
+        value = var.get_value()
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name == "lora_b":
+            x = np.zeros(value.shape)
+        elif name == "scale":
+            x = 1.0 + 0.1 * rng.standard_normal(value.shape)
+        else:
+            x = std * rng.standard_normal(value.shape)
+        return var.replace(jnp.asarray(x, value.dtype))
+
+    state = jax.tree_util.tree_map_with_path(
+        draw, nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)
+    )
+    nnx.update(model, state)
+    return model

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.kv_cache import init_cache
-from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.models.transformer import Transformer, random_transformer
 from jaxgrpo.models.weights import hf_tensors, load_hf_tensors
 
 torch = pytest.importorskip("torch")
@@ -99,48 +99,36 @@ def test_logits_match_transformers(pair, batch):
     assert np.all(np.isfinite(ours)), "padded positions must give finite values"
 
 
-@functools.partial(jax.jit, static_argnums=3)
-def _cached(model, ids, mask, prefill_len):
-    """Prefill the first `prefill_len` tokens, then decode the rest one token at a time."""
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _cached(model, ids, mask, prefill_len, group):
+    """Prefill `prefill_len` tokens, then decode the rest one token at a time; separately, repeat
+    the prefilled cache `group` times and decode the next token on every copy."""
     b, t = ids.shape
     cache = init_cache(model.cfg, b, t + 2)
     h, cache = model.hidden(ids[:, :prefill_len], mask[:, :prefill_len], cache=cache)
-    outs = [model.logits(h)]
+    outs, grouped = [model.logits(h)], cache.repeat(group)
     for i in range(prefill_len, t):
         h, cache = model.hidden(ids[:, i : i + 1], jnp.ones((b, 1), jnp.int32), cache=cache)
         outs.append(model.logits(h))
-    return jnp.concatenate(outs, axis=1), cache
+    nxt = jnp.repeat(ids[:, prefill_len : prefill_len + 1], group, axis=0)
+    h, _ = model.hidden(nxt, jnp.ones((b * group, 1), jnp.int32), cache=grouped)
+    return jnp.concatenate(outs, axis=1), cache, model.logits(h)[:, 0]
 
 
 def test_cached_decoding_equals_full_forward(pair, batch):
+    """Prefill + 1-token steps, and a repeat(G) cache, reproduce the full forward (1e-5)."""
     _, model, _ = pair
     ids, mask = batch
     full = np.asarray(_forward(model, ids, mask))
-    cached, cache = _cached(model, ids, mask, 8)
+    cached, cache, grouped = _cached(model, ids, mask, 10, 2)
     valid = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(cached)[valid], full[valid], rtol=1e-5, atol=1e-5)
     assert int(cache.index) == 12
     np.testing.assert_array_equal(np.asarray(cache.next_pos), mask.sum(1))
     np.testing.assert_array_equal(np.asarray(cache.mask)[:, :12], valid)
-
-
-def test_cache_repeat_decodes_each_copy_like_the_original(pair, batch):
-    """Prefill B prompts once, repeat the cache G times, then decode: every copy matches."""
-    _, model, _ = pair
-    ids, mask = batch
-    g = 2
-
-    @jax.jit
-    def run(model):
-        cache = init_cache(model.cfg, 3, 14)
-        _, cache = model.hidden(ids[:, :10], mask[:, :10], cache=cache)
-        cache = cache.repeat(g)
-        nxt = jnp.repeat(jnp.asarray(ids[:, 10:11]), g, axis=0)
-        h, _ = model.hidden(nxt, jnp.ones((3 * g, 1), jnp.int32), cache=cache)
-        return model.logits(h)[:, 0]
-
-    full = np.asarray(_forward(model, ids[:, :11], mask[:, :11]))[:, -1]
-    np.testing.assert_allclose(np.asarray(run(model)), np.repeat(full, g, 0), rtol=1e-5, atol=1e-5)
+    # Row b of the prompt batch becomes rows 2b and 2b+1 of the grouped batch.
+    expected = np.repeat(full[:, 10], 2, axis=0)
+    np.testing.assert_allclose(np.asarray(grouped), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_hf_tensors_round_trip(pair):
@@ -169,7 +157,7 @@ def _tiny_cfg(**kw):
 
 
 def test_missing_tensor_is_named():
-    model = Transformer(_tiny_cfg(), rngs=nnx.Rngs(0))
+    model = random_transformer(_tiny_cfg())
     tensors = hf_tensors(model)
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
@@ -177,7 +165,7 @@ def test_missing_tensor_is_named():
 
 
 def test_misshaped_tensor_names_expected_and_found_shapes():
-    model = Transformer(_tiny_cfg(), rngs=nnx.Rngs(0))
+    model = random_transformer(_tiny_cfg())
     tensors = hf_tensors(model)
     tensors["model.layers.0.mlp.down_proj.weight"] = np.zeros((64, 32), np.float32)
     with pytest.raises(ValueError, match=r"down_proj\.weight.*\(64, 32\).*expected \(32, 64\)"):
@@ -192,27 +180,32 @@ def test_unsupported_architecture_lists_supported():
 def test_remat_and_bfloat16():
     """Remat changes memory, not math (grads within 1e-5); bf16 params+compute stay close."""
     cfg = _tiny_cfg()
-    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    model = random_transformer(cfg)
     ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 128
     graphdef, state = nnx.split(model)
 
-    def loss(state, remat):
-        m = nnx.merge(graphdef, state)
-        m.cfg = m.cfg.replace(remat=remat)
-        return jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
+    @jax.jit
+    def grads(state):
+        def loss(state, remat):
+            m = nnx.merge(graphdef, state)
+            m.cfg = m.cfg.replace(remat=remat)
+            return jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
 
-    g0 = jax.jit(jax.grad(loss), static_argnums=1)(state, False)
-    g1 = jax.jit(jax.grad(loss), static_argnums=1)(state, True)
+        return jax.grad(loss)(state, False), jax.grad(loss)(state, True)
+
+    g0, g1 = grads(state)
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
-    bf = Transformer(cfg.replace(param_dtype="bfloat16", dtype="bfloat16"), rngs=nnx.Rngs(0))
+    bf = random_transformer(cfg.replace(param_dtype="bfloat16", dtype="bfloat16"))
     assert bf.layers.attn.q.kernel[...].dtype == jnp.bfloat16
-    logits_bf = _forward(bf, ids, jnp.ones_like(ids))
-    assert logits_bf.dtype == jnp.float32
-    np.testing.assert_allclose(
-        np.asarray(logits_bf), np.asarray(_forward(model, ids, jnp.ones_like(ids))), atol=5e-2
+    logits_bf, logits = (
+        _forward(bf, ids, jnp.ones_like(ids)),
+        _forward(model, ids, jnp.ones_like(ids)),
     )
+    assert logits_bf.dtype == jnp.float32
+    # Same seed, so the bf16 weights are the f32 ones rounded; 8-bit mantissas bound the drift.
+    np.testing.assert_allclose(np.asarray(logits_bf), np.asarray(logits), atol=2e-2)
 
 
 def _compile_seconds(num_layers):
