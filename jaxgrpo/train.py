@@ -157,12 +157,7 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
                 # Checkpoint before logging: once a step's metrics line exists, so does its
                 # checkpoint (when due), which is what a watcher killing the run relies on.
                 saved = ckpt.save(step, state, _meta(cfg, step, data))
-                if step % cfg.logging.every == 0 or step == cfg.steps:
-                    logger.log(step, metrics)
-                every = cfg.logging.samples_every
-                if samples and every and step % every == 0:
-                    logger.log_samples(step, samples)
-                bar.update(step, metrics)
+                _record(cfg, logger, bar, step, metrics, samples)
                 if saved:
                     files.upload()
     finally:
@@ -172,6 +167,16 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
         logger.close()
         files.upload()
     return metrics
+
+
+def _record(cfg: TrainConfig, logger, bar, step: int, metrics: dict, samples: list) -> None:
+    """Metrics (every ``logging.every`` steps and the last), samples, progress bar."""
+    if step % cfg.logging.every == 0 or step == cfg.steps:
+        logger.log(step, metrics)
+    every = cfg.logging.samples_every
+    if samples and every and step % every == 0:
+        logger.log_samples(step, samples)
+    bar.update(step, metrics)
 
 
 def _open_logger(cfg: TrainConfig, log_dir: str, process: int, start: int):
