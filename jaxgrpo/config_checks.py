@@ -106,15 +106,14 @@ def _check_rewards(cfg: ConfigDict) -> None:
 def _check_sampling(cfg: ConfigDict) -> None:
     s = cfg.sampling
     _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1", s.max_new_tokens)
-    _require(s.temperature >= 0, "sampling.temperature", "must be >= 0", s.temperature)
+    greedy = "must be > 0: greedy samples of a group are identical, so every advantage is 0"
+    _require(s.temperature > 0, "sampling.temperature", greedy, s.temperature)
     sched = s.temperature_schedule
     kinds = ("constant", "linear", "cosine", "exponential")
     key = "sampling.temperature_schedule.kind"
     _require(sched.kind in kinds, key, f"must be one of {list(kinds)}", sched.kind)
-    _require(sched.end >= 0, "sampling.temperature_schedule.end", "must be >= 0", sched.end)
-    if sched.kind == "exponential":
-        ok = s.temperature > 0 and sched.end > 0
-        _require(ok, "sampling.temperature_schedule.end", "exponential needs > 0 ends", sched.end)
+    if sched.kind != "constant":
+        _require(sched.end > 0, "sampling.temperature_schedule.end", greedy, sched.end)
     _require(sched.steps >= 0, "sampling.temperature_schedule.steps", "must be >= 0", sched.steps)
     _require(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]", s.top_p)
     _require(s.top_k >= 0, "sampling.top_k", "must be >= 0", s.top_k)
@@ -136,7 +135,9 @@ def _check_rl(cfg: ConfigDict) -> None:
     _one_of(cfg, "rl.adv_scale", ("group", "batch", "none"))
     _require(0 <= r.eps_low < 1, "rl.eps_low", "must be in [0, 1)", r.eps_low)
     _require(r.eps_high >= 0, "rl.eps_high", "must be >= 0", r.eps_high)
-    for key in ("beta", "entropy_coef", "tis_cap", "ref_reset_every"):
+    tis = "must be 0 (off) or >= 1 (a cap below 1 would shrink every on-policy token)"
+    _require(r.tis_cap == 0 or r.tis_cap >= 1, "rl.tis_cap", tis, r.tis_cap)
+    for key in ("beta", "entropy_coef", "ref_reset_every"):
         _require(r[key] >= 0, f"rl.{key}", "must be >= 0", r[key])
     draws = r.dynamic_sampling_max_draws
     _require(draws >= 1, "rl.dynamic_sampling_max_draws", "must be >= 1", draws)

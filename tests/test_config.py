@@ -42,6 +42,12 @@ BAD_OVERRIDES = [
     ({"rl.ref_reset_optimizer": True}, "rl.ref_reset_optimizer"),
     ({"rl.loss_type": "ppo"}, "rl.loss_type"),
     ({"sampling.top_p": 0.0}, "sampling.top_p"),
+    ({"sampling.temperature": 0.0}, "sampling.temperature"),
+    (
+        {"sampling.temperature_schedule.kind": "linear", "sampling.temperature_schedule.end": 0.0},
+        "sampling.temperature_schedule.end",
+    ),
+    ({"rl.tis_cap": 0.5}, "rl.tis_cap"),
     ({"sampling.temperature_schedule.kind": "zigzag"}, "sampling.temperature_schedule.kind"),
     ({"sampling.repetition_guard": (3, 1)}, "sampling.repetition_guard"),
     ({"model.lora_targets": ("q", "qkv")}, "model.lora_targets"),

@@ -41,7 +41,7 @@ def _rewards() -> ConfigDict:
 def _sampling() -> ConfigDict:
     c = ConfigDict()
     c.max_new_tokens = 64  # completion length T (a completion that reaches it is "truncated")
-    c.temperature = 1.0  # sampling temperature at step 0 (0 = greedy)
+    c.temperature = 1.0  # sampling temperature at step 0 (> 0: groups need distinct samples)
     c.temperature_schedule = ConfigDict()  # temperature as a function of the training step
     c.temperature_schedule.kind = "constant"  # "constant", "linear", "cosine" or "exponential"
     c.temperature_schedule.end = 1.0  # temperature reached at the end of the schedule
