@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import struct
@@ -27,7 +28,15 @@ from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
 
-__all__ = ["LoRAConfig", "ModelConfig", "Tokenizer", "Transformer", "load_model", "read_source"]
+__all__ = [
+    "LoRAConfig",
+    "ModelConfig",
+    "SafetensorsFiles",
+    "Tokenizer",
+    "Transformer",
+    "load_model",
+    "read_source",
+]
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -187,25 +196,50 @@ def _as_tokenizer(tokenizer, make_tokenizer: Callable[[], Tokenizer]) -> Tokeniz
     return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_pretrained(path)
 
 
-def _empty_model(cfg: ModelConfig, seed: int) -> Transformer:
-    """A Transformer whose base weights are host zeros, to be overwritten by the checkpoint.
+def _empty_model(cfg: ModelConfig, seed: int, mesh=None, rules=None) -> Transformer:
+    """A Transformer whose base weights are zeros, to be overwritten by the checkpoint.
 
-    Initialising 135M random weights only to discard them took longer than reading the GGUF.
-    The base state is shaped abstractly (``nnx.eval_shape``) and filled with ``np.zeros``
-    (pages the OS allocates lazily), which ``load_hf_tensors`` overwrites in place and
-    ``load_model`` then moves to the device; LoRA adapters do need their random A, so their state is
-    built under jit, where XLA drops the unused base initialisers.
+    Initialising 135M random weights only to discard them took longer than reading the GGUF,
+    and every jitted or eager ``jax.random`` draw costs an XLA compilation (seconds each on a
+    busy 2-core machine). So the model is shaped abstractly (``nnx.eval_shape``). Without a mesh
+    base weights become host ``np.zeros`` (pages the OS allocates lazily), which
+    ``load_hf_tensors`` overwrites in place and ``load_model`` then moves to the device. With a
+    mesh they are zero arrays in their final sharding, built shard by shard, so each host only
+    ever holds its own shards. LoRA adapters get ``LoRA.__init__``'s distribution from numpy:
+    A ~ N(0, 1 / fan_in), B = 0.
     """
     from flax import nnx
 
-    def build():
-        return Transformer(cfg, rngs=nnx.Rngs(seed))
+    from jaxgrpo.models.lora import LoRA
 
-    graphdef, lora, base = nnx.split(nnx.eval_shape(build), nnx.LoRAParam, ...)
-    if cfg.lora is not None:
-        lora = jax.jit(lambda: nnx.state(build(), nnx.LoRAParam))()
-    base = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), base)
-    return nnx.merge(graphdef, lora, base)
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
+    rng = np.random.default_rng(seed)
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, LoRA):
+            a, b = node.lora_a, node.lora_b
+            fan_in = math.prod(a.shape[a.ndim - node.n_in - 1 : -1])
+            a_init = rng.standard_normal(a.shape, np.float32) / np.float32(math.sqrt(fan_in))
+            a.set_value(a_init.astype(a.dtype))
+            b.set_value(np.zeros(b.shape, b.dtype))
+    graphdef, state = nnx.split(model)
+    abstract = jax.ShapeDtypeStruct
+    if mesh is None:
+        zeros = lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, abstract) else x
+        return nnx.merge(graphdef, jax.tree.map(zeros, state))
+    from jaxgrpo import sharding
+
+    rules = rules or sharding.TRAIN_RULES
+    shardings = sharding.param_shardings(state, mesh, rules)
+
+    def place(x, where):
+        if not isinstance(x, abstract):
+            return jax.device_put(x, where)
+        shard = lambda index: np.zeros(where.shard_shape(x.shape), x.dtype)
+        return jax.make_array_from_callback(x.shape, where, shard)
+
+    model = nnx.merge(graphdef, jax.tree.map(place, state, shardings))
+    model.shard_ctx = sharding.ShardingCtx(mesh, rules)
+    return model
 
 
 def load_model(
@@ -262,12 +296,7 @@ def load_model(
             f"Tokenizer vocabulary ({tok.vocab_size} tokens) does not fit the model's embedding "
             f"({cfg.vocab_size} rows) for {source}."
         )
-    if mesh is None:
-        model = _empty_model(cfg, seed)
-    else:
-        from jaxgrpo import sharding
-
-        model = sharding.create_sharded_model(cfg, mesh, rules or sharding.TRAIN_RULES, seed)
+    model = _empty_model(cfg, seed, mesh, rules)
     load_hf_tensors(model, get_tensor)
     if mesh is None:
         # Variables holding host arrays were filled in place; move them to the device.
