@@ -110,11 +110,21 @@ def _llama3_scaling(rope_freqs: np.ndarray, head_dim: int, theta: float, ctx: in
     """Recover Llama 3.1 rope_scaling parameters from a GGUF ``rope_freqs`` tensor.
 
     The file stores only the resulting divisors. Every released Llama 3.x uses low/high frequency
-    factors 1 and 4 and an original context of 8192; we take ``factor`` as the largest divisor and
-    accept the parameters only if they reproduce the whole tensor (rtol 1e-4).
+    factors 1 and 4; ``factor`` is the largest divisor. The original context is read off any
+    frequency in the smooth band (there ``1/div = (1 - s)/factor + s`` with
+    ``s = (ctx / wavelen - 1) / 3``), else tried among 8192, the metadata value and powers of
+    two. Parameters are accepted only if they reproduce the whole tensor (rtol 1e-4).
     """
     factor = float(np.max(rope_freqs))
-    for original_ctx in dict.fromkeys(c for c in (8192, ctx) if c):
+    freqs = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    candidates = [8192, ctx]
+    if factor > 1:
+        s = (1.0 / rope_freqs.astype(np.float64) - 1.0 / factor) / (1.0 - 1.0 / factor)
+        smooth = (s > 1e-6) & (s < 1 - 1e-6)
+        candidates += [int(round(c)) for c in (wavelen * (1 + 3 * s))[smooth]]
+    candidates += [2**k for k in range(4, 21)]
+    for original_ctx in dict.fromkeys(c for c in candidates if c):
         expected = _llama3_factors(head_dim, theta, factor, 1.0, 4.0, original_ctx)
         if expected.shape == rope_freqs.shape and np.allclose(expected, rope_freqs, rtol=1e-4):
             return {
