@@ -1,0 +1,323 @@
+"""Memory per device of a GRPO run: parameters, optimizer state, KV cache, activations.
+
+``python -m jaxgrpo.memory --config gsm8k_hard.py --preset v5e-8`` prints the estimate for one
+run on one slice; ``--table`` prints which model sizes fit on which slices (the README table).
+
+The estimate is arithmetic on the model's shapes, with no model built:
+
+* parameters: the exact element count of ``jaxgrpo.models.transformer.Transformer`` (plus LoRA
+  A and B), divided evenly over ``fsdp * tensor`` as ``sharding.TRAIN_RULES`` split them;
+* trainable state: gradients (twice with gradient accumulation: the running sum and the
+  micro-batch's), AdamW's two moments in the parameter dtype, and the reference policy's
+  trainable part when ``beta > 0`` (zero LoRA, or a full copy for full fine-tuning);
+* KV cache of sampling: ``2 * L * rows * (P + T) * K * H`` in the compute dtype, rows =
+  ``prompts_per_step * group_size / (data * fsdp)``, K split over ``tensor``;
+* activations of one micro-batch's update, kept for the backward pass (prefix-shared: the
+  prompt once per group, the completions against its repeated cache): per token and layer the
+  block's inputs, q/k/v, attention output, MLP hidden and SwiGLU product, plus float32 attention
+  scores; with ``remat`` only each block's input is kept, and one block is live at a time. The
+  logits are chunked over T (``rl/logprobs.py``, 64 positions), float32.
+
+Parameters, optimizer state and cache are checked against real arrays by the tests; the
+activations are an order-of-magnitude figure (XLA fuses and reuses buffers), checked against
+XLA's own buffer assignment within a stated factor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jaxgrpo.models.config import LORA_TARGETS, ModelConfig
+from jaxgrpo.presets import GIB, PRESETS, get_preset
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+LOGITS_CHUNK = 64  # positions per logits block in rl/logprobs.py
+
+# Shapes of common checkpoints (their config.json), so no download is needed to plan a run.
+KNOWN_MODELS: dict[str, dict[str, Any]] = {
+    "SmolLM2-135M": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                         tie_embeddings=True),
+    "Qwen2.5-0.5B": dict(arch="qwen2", vocab_size=151936, hidden_size=896,
+                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
+                         head_dim=64, qkv_bias=True, tie_embeddings=True),
+    "Llama-3.2-1B": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
+                         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
+                         tie_embeddings=True),
+    "Llama-3.2-3B": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
+                         num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
+                         tie_embeddings=True),
+    "Qwen2.5-7B": dict(arch="qwen2", vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
+                       head_dim=128, qkv_bias=True),
+    "Llama-3.1-8B": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128),
+    "Qwen3-14B": dict(arch="qwen3", vocab_size=151936, hidden_size=5120,
+                      intermediate_size=17408, num_layers=40, num_heads=40, num_kv_heads=8,
+                      head_dim=128, qk_norm=True),
+    "Qwen2.5-32B": dict(arch="qwen2", vocab_size=152064, hidden_size=5120,
+                        intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
+                        head_dim=128, qkv_bias=True),
+    "Llama-3.1-70B": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                          num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128),
+}  # fmt: skip
+
+
+def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(fan-in, fan-out) of each LoRA-able projection of one layer."""
+    d, n, k, h, f = (
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    )  # fmt: skip
+    return {
+        "q": (d, n * h), "k": (d, k * h), "v": (d, k * h), "o": (n * h, d),
+        "gate": (d, f), "up": (d, f), "down": (f, d),
+    }  # fmt: skip
+
+
+def base_param_count(cfg: ModelConfig) -> int:
+    """Elements of every ``nnx.Param`` that is not a LoRA adapter."""
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer = sum(i * o for i, o in _proj_shapes(cfg).values()) + 2 * d  # + two RMSNorm scales
+    layer += (n + 2 * k) * h if cfg.qkv_bias else 0
+    layer += d if cfg.o_bias else 0
+    layer += 2 * h if cfg.qk_norm else 0
+    embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return cfg.num_layers * layer + embed + d
+
+
+def lora_param_count(cfg: ModelConfig) -> int:
+    """Elements of the LoRA adapters: ``R * (in + out)`` per targeted projection and layer."""
+    if cfg.lora is None:
+        return 0
+    shapes = _proj_shapes(cfg)
+    r = cfg.lora.rank
+    per_layer = sum(r * sum(shapes[t]) for t in cfg.lora.targets if t in LORA_TARGETS)
+    return cfg.num_layers * per_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What a step holds at once, from the config.
+
+    Attributes:
+      prompts: B, prompts per step.
+      group: G, samples per prompt.
+      prompt_len: P, prompt bucket length.
+      new_tokens: T, max_new_tokens.
+      micro_batches: num_minibatches * grad_accum (a micro-batch holds B / this prompts).
+      grad_accum: micro-batches summed per update.
+      beta: KL coefficient (> 0 keeps a reference policy).
+    """
+
+    prompts: int
+    group: int
+    prompt_len: int
+    new_tokens: int
+    micro_batches: int = 1
+    grad_accum: int = 1
+    beta: float = 0.0
+
+
+def estimate(
+    cfg: ModelConfig, run: RunShape, mesh: dict[str, int] | None = None
+) -> dict[str, float]:
+    """Bytes per device of each part of a step (an even split over the mesh).
+
+    Args:
+      cfg: the model (``cfg.lora`` None = full fine-tuning).
+      run: batch layout.
+      mesh: ``{"data", "fsdp", "tensor"}`` sizes; None = one device.
+
+    Returns:
+      ``params`` (frozen + trainable), ``grads``, ``opt_state``, ``ref_params``, ``kv_cache``,
+      ``activations`` and ``total`` = the first four + max(kv_cache, activations) (sampling
+      and the update do not overlap).
+    """
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1, **(mesh or {})}
+    shard = mesh["fsdp"] * mesh["tensor"]
+    rows_split = mesh["data"] * mesh["fsdp"]
+    pb, cb = _BYTES[cfg.param_dtype], _BYTES[cfg.dtype]
+    lora = lora_param_count(cfg)
+    trainable = (lora if cfg.lora else base_param_count(cfg)) * pb / shard
+    out = {"params": (base_param_count(cfg) + lora) * pb / shard}
+    out["grads"] = trainable * (2 if run.grad_accum > 1 else 1)
+    out["opt_state"] = 2 * trainable
+    out["ref_params"] = trainable if run.beta > 0 else 0.0
+    rows = math.ceil(run.prompts * run.group / rows_split)
+    seq = run.prompt_len + run.new_tokens
+    kv_heads = max(1, cfg.num_kv_heads // mesh["tensor"])
+    out["kv_cache"] = 2.0 * cfg.num_layers * rows * seq * kv_heads * cfg.head_dim * cb
+    out["activations"] = _activations(cfg, run, rows_split, mesh["tensor"])
+    static = out["params"] + out["grads"] + out["opt_state"] + out["ref_params"]
+    out["total"] = static + max(out["kv_cache"], out["activations"])
+    return out
+
+
+def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) -> float:
+    """Bytes kept for the backward pass of one micro-batch (see the module docstring)."""
+    cb = _BYTES[cfg.dtype]
+    d, f, h, t = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, run.new_tokens
+    n, k = cfg.num_heads / tensor, max(1, cfg.num_kv_heads // tensor)
+    prompts = max(1.0, run.prompts / run.micro_batches / rows_split)
+    rows = prompts * run.group
+    seq = run.prompt_len + t
+    tokens = prompts * run.prompt_len + rows * t
+    # Per token and layer: norms' inputs (2D), q and attention output (2NH), k and v (2KH),
+    # o output (D), gate/up (2F), SwiGLU product (F).
+    per_token = (3 * d + 2 * n * h + 2 * k * h + 3 * f / tensor) * cb
+    # float32 attention logits and probabilities (both kept for the softmax backward):
+    # prompt queries x prompt keys, completion queries x every key.
+    scores = 2 * 4.0 * n * (prompts * run.prompt_len**2 + rows * t * seq)
+    cache = 2.0 * rows * seq * k * h * cb  # the repeated prompt cache, per layer
+    layer = tokens * per_token + scores + cache
+    if cfg.remat:
+        kept = cfg.num_layers * tokens * d * cb + layer
+    else:
+        kept = cfg.num_layers * layer
+    logits = 3.0 * rows * min(LOGITS_CHUNK, t) * cfg.vocab_size / tensor * 4
+    return kept + logits
+
+
+def model_config(source: str, *, lora: Any = None, **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a model source without loading weights.
+
+    Args:
+      source: ``"tiny"``, ``"smollm2"``, a ``KNOWN_MODELS`` name (or a hub id containing one,
+        case-insensitive), a local HF directory or a ``.gguf`` file.
+      lora: ``LoRAConfig`` or None.
+      **overrides: ModelConfig fields (dtype, param_dtype, remat).
+
+    Raises:
+      ValueError: the source is none of these (hub ids are not downloaded).
+    """
+    import os
+
+    if source == "tiny":
+        from jaxgrpo.rl.tiny import tiny_model_config
+
+        return tiny_model_config().replace(lora=lora, **overrides)
+    if source == "smollm2":
+        source = "SmolLM2-135M"
+    for name, fields in KNOWN_MODELS.items():
+        if name.lower() in source.lower().replace("meta-llama", "llama"):
+            return ModelConfig(**fields, lora=lora, **overrides)
+    if os.path.exists(os.path.expanduser(source)):
+        from jaxgrpo.models import read_source
+
+        return ModelConfig.from_hf_config(read_source(source)[0], lora=lora, **overrides)
+    raise ValueError(
+        f"unknown model source {source!r} for the memory estimate: pass a local directory, a "
+        f".gguf file, or one of {', '.join(KNOWN_MODELS)} (--model)"
+    )
+
+
+def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
+    """(ModelConfig, RunShape) of a ``TrainConfig``; ``model`` replaces ``cfg.model.source``."""
+    from jaxgrpo.models.config import LoRAConfig
+
+    m = cfg.model
+    lora = None
+    if m.lora_rank > 0:
+        lora = LoRAConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
+    model_cfg = model_config(
+        model or m.source, lora=lora, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat
+    )
+    rl = cfg.rl
+    run = RunShape(
+        prompts=rl.prompts_per_step,
+        group=rl.group_size,
+        prompt_len=prompt_len,
+        new_tokens=cfg.sampling.max_new_tokens,
+        micro_batches=rl.num_minibatches * rl.grad_accum,
+        grad_accum=rl.grad_accum,
+        beta=rl.beta,
+    )
+    return model_cfg, run
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def report(cfg: ModelConfig, run: RunShape, preset: str | None) -> str:
+    """A Markdown table of ``estimate`` for one run (on a preset's mesh, or one device)."""
+    p = get_preset(preset) if preset else None
+    est = estimate(cfg, run, p.mesh if p else None)
+    where = f"{p.name} mesh {p.mesh}" if p else "one device"
+    lines = [
+        f"Memory per device, {where}: {base_param_count(cfg) / 1e9:.3f} B base parameters, "
+        f"{lora_param_count(cfg) / 1e6:.2f} M LoRA parameters",
+        "",
+        "| part | GiB |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {_gib(v)} |" for k, v in est.items()]
+    if p:
+        verdict = "fits" if est["total"] <= 0.9 * p.hbm_bytes else "does NOT fit"
+        lines.append(f"\n{verdict} in {p.hbm_bytes / GIB:.0f} GiB per device (90% usable)")
+    return "\n".join(lines)
+
+
+def fit_table(run: RunShape, presets: Sequence[str], lora_rank: int = 16) -> str:
+    """Markdown: GiB per device of each known model (LoRA and full FT) on each preset.
+
+    A cell is ``total GiB`` with a check mark when it fits in 90% of the device memory.
+    """
+    from jaxgrpo.models.config import LoRAConfig
+
+    header = "| model | params | tuning | " + " | ".join(presets) + " |"
+    lines = [header, "|---|---:|---|" + "---:|" * len(presets)]
+    for name, fields in KNOWN_MODELS.items():
+        base = dict(fields, dtype="bfloat16", param_dtype="bfloat16", remat=True)
+        for tuning, lora in (("LoRA", LoRAConfig(rank=lora_rank)), ("full", None)):
+            cfg = ModelConfig(**base, lora=lora)
+            cells = []
+            for preset in presets:
+                p = PRESETS[preset]
+                total = estimate(cfg, run, p.mesh)["total"]
+                mark = "✓" if total <= 0.9 * p.hbm_bytes else "✗"
+                cells.append(f"{total / GIB:.1f} {mark}")
+            count = f"{base_param_count(cfg) / 1e9:.2f} B"
+            lines.append(f"| {name} | {count} | {tuning} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+TABLE_PRESETS = ("v5e-8", "v6e-8", "v5p-8", "v5e-64", "v5p-128")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: ``--config X [--preset P] [--model M] [--prompt_len P]`` or ``--table``."""
+    parser = argparse.ArgumentParser(prog="python -m jaxgrpo.memory", description=__doc__)
+    parser.add_argument("--config", help="config file or shipped name")
+    parser.add_argument("--preset", help=f"slice: {', '.join(PRESETS)}")
+    parser.add_argument("--model", help="model source or known name instead of model.source")
+    parser.add_argument("--prompt_len", type=int, default=256, help="prompt bucket length P")
+    parser.add_argument("--table", action="store_true", help="models x slices fit table")
+    args = parser.parse_args(argv)
+    from jaxgrpo import config as config_lib
+
+    try:
+        if args.table:
+            name = args.config or "gsm8k_hard"
+            _, run = from_train_config(config_lib.load_config(name), args.prompt_len, "tiny")
+            print(f"GiB per device (bf16, remat, {name}: {run}); ✓ = fits in 90% of HBM\n")
+            print(fit_table(run, TABLE_PRESETS))
+            return 0
+        if not args.config:
+            parser.error("--config (or --table) is required")
+        cfg = config_lib.load_config(args.config)
+        model_cfg, run = from_train_config(cfg, args.prompt_len, args.model)
+        print(report(model_cfg, run, args.preset))
+    except (ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
