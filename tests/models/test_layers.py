@@ -75,6 +75,11 @@ def _hf_additive_mask(mask):
     return torch.tensor(np.where(allowed, 0.0, -1e9)[:, None].astype(np.float32))
 
 
+def _mask_BTS(mask_BT):
+    t = mask_BT.shape[1]
+    return mask_BT[:, None, :] & jnp.tril(jnp.ones((t, t), bool))[None]
+
+
 def test_rmsnorm_matches_hf():
     norm = hf_llama.LlamaRMSNorm(64, eps=1e-5)
     with torch.no_grad():
@@ -117,11 +122,15 @@ def test_attention_matches_hf(num_kv_heads):
             position_embeddings=_hf_rope(tm, x, pos),
             attention_mask=_hf_additive_mask(mask),
         )
-    block = layer_block(model, 0)
-    cos, sin = rope_cos_sin(jnp.asarray(pos), rope_inv_freq(model.cfg))
-    q, k, v = block.attn.qkv(jnp.asarray(x), cos, sin, None)
-    mask_BTS = jnp.asarray(mask)[:, None, :] & jnp.tril(jnp.ones((10, 10), bool))[None]
-    ours = block.attn.o(attend(q, k, v, mask_BTS))
+
+    @jax.jit
+    def ours_fn(model, x, pos, mask):
+        block = layer_block(model, 0)
+        cos, sin = rope_cos_sin(pos, rope_inv_freq(model.cfg))
+        q, k, v = block.attn.qkv(x, cos, sin, None)
+        return block.attn.o(attend(q, k, v, _mask_BTS(mask)))
+
+    ours = ours_fn(model, x, pos, mask)
     np.testing.assert_allclose(np.asarray(ours)[mask], ref.numpy()[mask], **TOL)
 
 
@@ -135,10 +144,15 @@ def test_block_matches_hf():
             position_embeddings=_hf_rope(tm, x, pos),
         )
     ref = ref[0] if isinstance(ref, tuple) else ref
-    cos, sin = rope_cos_sin(jnp.asarray(pos), rope_inv_freq(model.cfg))
-    mask_BTS = jnp.asarray(mask)[:, None, :] & jnp.tril(jnp.ones((10, 10), bool))[None]
-    ours, kv = layer_block(model, 0)(jnp.asarray(x), cos, sin, mask_BTS)
-    assert kv is None
+
+    @jax.jit
+    def ours_fn(model, x, pos, mask):
+        cos, sin = rope_cos_sin(pos, rope_inv_freq(model.cfg))
+        out, kv = layer_block(model, 0)(x, cos, sin, _mask_BTS(mask))
+        assert kv is None
+        return out
+
+    ours = ours_fn(model, x, pos, mask)
     np.testing.assert_allclose(np.asarray(ours)[mask], ref.numpy()[mask], **TOL)
 
 
@@ -147,7 +161,7 @@ def test_fully_masked_query_rows_stay_finite():
     q = jnp.ones((1, 2, 2, 4))
     k = v = jnp.ones((1, 2, 1, 4))
     mask = jnp.array([[[False, False], [False, True]]])
-    out = attend(q, k, v, mask)
+    out = jax.jit(attend)(q, k, v, mask)
     assert bool(jnp.all(jnp.isfinite(out)))
-    grads = jax.grad(lambda q: attend(q, k, v, mask).sum())(q)
+    grads = jax.jit(jax.grad(lambda q: attend(q, k, v, mask).sum()))(q)
     assert bool(jnp.all(jnp.isfinite(grads)))
