@@ -33,6 +33,9 @@ SHAPE = dict(
     num_attention_heads=4,
     num_key_value_heads=2,
     max_position_embeddings=128,
+    # A float32-exact epsilon survives GGUF's float32 metadata, so GGUF- and directory-loaded
+    # models share one ModelConfig and one compiled forward.
+    rms_norm_eps=2.0**-20,
     initializer_range=0.3,
     pad_token_id=0,
     bos_token_id=1,
