@@ -165,22 +165,21 @@ def param_shardings(abstract_state, mesh: Mesh, rules: Rules):
 
 
 def create_sharded_model(cfg, mesh: Mesh, rules: Rules = TRAIN_RULES, rngs_seed: int = 0):
-    """A Transformer whose parameters are created directly in their sharded layout.
+    """A randomly initialised Transformer whose parameters are created already sharded.
 
-    The model is traced abstractly (`nnx.eval_shape`), its shardings are derived from the
-    logical axes, and the initialiser runs under jit with those `out_shardings`, so no host
-    ever holds the full set of weights. The returned model also carries the ShardingCtx so its
-    activations are constrained with the same mesh and rules.
+    The model is traced abstractly (`nnx.eval_shape`), its shardings derived from the logical
+    axes, and each tensor is drawn on the host and placed shard by shard (see
+    `jaxgrpo.models.transformer.random_state`): one tensor at a time, nothing compiled. To load
+    real weights, pass the result to `jaxgrpo.models.weights.load_hf_tensors`, which writes each
+    tensor into the sharding already on its parameter. The model also carries the ShardingCtx
+    so its activations are constrained with the same mesh and rules.
     """
-    from jaxgrpo.models.transformer import Transformer
+    from jaxgrpo.models.transformer import Transformer, random_state
 
-    def build():
-        return Transformer(cfg, rngs=nnx.Rngs(rngs_seed))
-
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(rngs_seed)))
+    graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, mesh, rules)
-    state = jax.jit(lambda: nnx.state(build()), out_shardings=shardings)()
-    model = nnx.merge(graphdef, state)
+    model = nnx.merge(graphdef, random_state(abstract_state, rngs_seed, shardings=shardings))
     model.shard_ctx = ShardingCtx(mesh, rules)
     return model
 
