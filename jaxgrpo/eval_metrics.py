@@ -276,3 +276,13 @@ def markdown_table(
             cells.append("-" if value is None else f"{100.0 * value:.1f}")
         lines.append("| " + " | ".join([label] + cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def results_table(results: dict[str, dict[str, Any]]) -> str:
+    """``markdown_table`` of ``jaxgrpo.evaluate`` results ``{label: {"tasks": {task:
+    {"summary": ...}}}}``."""
+    summaries = {
+        label: {task: v["summary"] for task, v in entry["tasks"].items()}
+        for label, entry in results.items()
+    }
+    return markdown_table(summaries)

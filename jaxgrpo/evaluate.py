@@ -1,0 +1,431 @@
+"""``python -m jaxgrpo.evaluate``: score trained runs (or a base model) the way the seed study did.
+
+    python -m jaxgrpo.evaluate --config gsm8k_hard.py --checkpoint runs/gsm8k_hard \\
+        [--checkpoint runs/other ...] [--base] [--model SOURCE] [--split test] \\
+        [--num_samples 8] [--max_examples N] [--tasks jeebench] [--judge SOURCE] [--out FILE]
+
+Each run (a ``--checkpoint`` run directory, or the untrained model with ``--base`` or when no
+checkpoint is given) samples ``num_samples`` completions per held-out prompt with the seed
+study's settings (512 new tokens, temperature 0.6, top-p 0.95, its prompt from the task) and
+is scored by ``jaxgrpo.eval_metrics``: strict and lenient accuracy, format rate, pass@k for every
+k <= n, mean@n, lengths split by correctness, truncation and doom-loop rates. An optional judge
+(any ``load_model`` source) answers yes/no, greedily, whether a completion reaches the reference.
+
+Output: a JSON file with every figure and per-sample record, the same table as Markdown next
+to it (``.md``), and the table printed: one row per run, the seed study's columns (task x
+strict / lenient / pass@n, then strict for each ``--tasks`` task).
+
+The config gives the model, the task and the mesh; without ``--config`` a run directory's own
+``config.json`` is used. Prompts are sharded over the mesh's (data, fsdp) axes as in training;
+on a multi-host slice every process runs this command (``launch/run_pod.sh`` style) and process
+0 writes the files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxgrpo import eval_metrics
+
+JUDGE_PROMPT = (
+    "Question:\n{question}\n\nReference answer: {reference}\n\nStudent's solution:\n"
+    "{completion}\n\nDoes the student's solution reach the reference answer? "
+    "Reply with one word: yes or no."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Sampling settings of an evaluation (seed study defaults)."""
+
+    split: str = "test"
+    num_samples: int = 8
+    max_new_tokens: int = 512
+    temperature: float = 0.6
+    top_p: float = 0.95
+    max_examples: int | None = None
+    batch_size: int = 8
+    seed: int = 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Configs, models and checkpoints.
+
+
+def _assign(node: Any, values: dict[str, Any]) -> None:
+    """Copies a ``TrainConfig.to_dict()`` JSON into a ConfigDict (lists back to tuples)."""
+    from ml_collections import ConfigDict
+
+    def tuples(x):
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+
+    for key, value in values.items():
+        if key in node and isinstance(node[key], ConfigDict) and isinstance(value, dict):
+            _assign(node[key], value)
+        else:
+            node[key] = tuples(value)
+
+
+def run_config(config: str | None, run_dir: str | None, overrides: dict[str, Any]):
+    """The ``TrainConfig`` of a run: ``config`` (file or shipped name) if given, else the run
+    directory's ``config.json``; then ``overrides`` (dotted keys)."""
+    from jaxgrpo import config as config_lib
+    from jaxgrpo.configs import base
+
+    if config:
+        return config_lib.load_config(config, overrides)
+    path = os.path.join(run_dir or "", "config.json")
+    if not os.path.isfile(path):
+        raise config_lib.ConfigError(f"no --config given and no {path}; pass --config")
+    cfg = base.get_config()
+    with open(path, encoding="utf-8") as f:
+        _assign(cfg, json.load(f))
+    for key, value in overrides.items():
+        node, _, leaf = key.rpartition(".")
+        parent = cfg
+        for part in filter(None, node.split(".")):
+            parent = parent[part]
+        parent[leaf] = value
+    return config_lib.to_train_config(cfg)
+
+
+def load_policy(
+    cfg: Any,
+    checkpoint: str | None,
+    mesh: Any,
+    model_source: str | None = None,
+    *,
+    cache: dict | None = None,
+):
+    """(model, tokenizer, step): the config's model with a run's trained parameters.
+
+    Args:
+      cfg: the run's ``TrainConfig``.
+      checkpoint: run directory (its ``checkpoints/`` latest step), or None for the base model.
+      mesh: the device mesh.
+      model_source: replaces ``cfg.model.source`` (e.g. a local copy of the base weights).
+      cache: models already built by this process, keyed by model spec; a hit is reset to its
+        initial (untrained) parameters instead of being built again.
+    """
+    from flax import nnx
+
+    from jaxgrpo.train import build_model
+
+    spec = cfg.model
+    if model_source:
+        spec = dataclasses.replace(spec, source=model_source)
+    key = (spec, cfg.seed)
+    if cache is not None and key in cache:
+        model, tokenizer, initial = cache[key]
+        nnx.update(model, initial)
+    else:
+        model, tokenizer = build_model(spec, cfg.seed, mesh)
+        if cache is not None:
+            # The trainable parameters as built (LoRA with B = 0, or every weight). Arrays are
+            # immutable and a restore replaces them, so holding these references keeps them.
+            initial = nnx.state(model, nnx.LoRAParam if spec.lora_rank > 0 else nnx.Param)
+            cache[key] = (model, tokenizer, initial)
+    if checkpoint is None:
+        return model, tokenizer, 0
+    return model, tokenizer, restore_params(cfg, model, tokenizer, checkpoint, mesh)
+
+
+def restore_params(cfg: Any, model: Any, tokenizer: Any, run_dir: str, mesh: Any) -> int:
+    """Loads the latest checkpoint's trainable parameters into ``model``; returns its step.
+
+    The restore target is the learner's own fresh state, so the tree and shardings match what
+    training saved; only ``state.params`` is kept.
+    """
+    from flax import nnx
+
+    from jaxgrpo.checkpoint import Checkpointer
+    from jaxgrpo.rewards import RewardSet
+    from jaxgrpo.rl.learner import Learner
+    from jaxgrpo.train import build_task
+
+    ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=0, keep=1)
+    try:
+        step = ckpt.latest_step()
+        if step is None:
+            raise FileNotFoundError(f"no checkpoint in {run_dir}/checkpoints")
+        # Rewards are not used to build a state; a cheap one avoids loading reward models.
+        rewards = RewardSet([("exact_answer", 1.0)])
+        learner = Learner(cfg, model, tokenizer, build_task(cfg.task), rewards, mesh)
+        state, _ = ckpt.restore(learner.init_state(), step)
+    finally:
+        ckpt.close()
+    nnx.update(model, state.params)
+    return int(step)
+
+
+# ----------------------------------------------------------------------------------------------
+# Sampling and judging.
+
+
+def _put(x: np.ndarray, mesh: Any):
+    """A global array of a host batch that every process holds, rows over (data, fsdp)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rows = mesh.shape["data"] * mesh.shape["fsdp"]
+    spec = PartitionSpec(("data", "fsdp")) if x.shape[0] % rows == 0 else PartitionSpec()
+    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
+
+
+def _host(x) -> np.ndarray:
+    """The whole value of a (possibly multi-host) array on this host."""
+    from jax.experimental import multihost_utils
+
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def sample(model, tokenizer, messages: list, settings: Settings, mesh, *, greedy=False) -> dict:
+    """Completions of every prompt, ``num_samples`` each (1 if greedy), in batches.
+
+    Returns:
+      ``texts`` [B * n], ``lengths``, ``truncated`` and ``tokens`` (lists of ids), grouped by
+      prompt.
+    """
+    import jax
+
+    from jaxgrpo.sampling import StopReason, generate
+
+    n = 1 if greedy else settings.num_samples
+    out: dict[str, list] = {"texts": [], "lengths": [], "truncated": [], "tokens": []}
+    key = jax.random.key(settings.seed)
+    for i, start in enumerate(range(0, len(messages), settings.batch_size)):
+        chunk = messages[start : start + settings.batch_size]
+        # A fixed batch shape (last batch padded with its final prompt) compiles once.
+        padded = chunk + [chunk[-1]] * (settings.batch_size - len(chunk))
+        ids, mask = tokenizer.encode_chat(padded)
+        res = generate(
+            model,
+            _put(np.asarray(ids), mesh),
+            _put(np.asarray(mask), mesh),
+            rng=jax.random.fold_in(key, i),
+            max_new_tokens=settings.max_new_tokens if not greedy else 4,
+            temperature=0.0 if greedy else settings.temperature,
+            top_p=1.0 if greedy else settings.top_p,
+            eos_ids=tokenizer.eos_ids,
+            num_samples=n,
+            pad_id=tokenizer.pad_id,
+        )
+        keep = len(chunk) * n
+        tokens, tmask = _host(res.tokens)[:keep], _host(res.mask)[:keep]
+        out["texts"] += tokenizer.batch_decode(tokens, tmask)
+        out["lengths"] += tmask.sum(-1).tolist()
+        out["truncated"] += (_host(res.stop_reason)[:keep] == int(StopReason.LENGTH)).tolist()
+        out["tokens"] += [t[m > 0].tolist() for t, m in zip(tokens, tmask, strict=True)]
+    return out
+
+
+def judge(judge_model, judge_tokenizer, examples, completions, settings, mesh, prompt=None):
+    """bool per completion: the judge's greedy reply starts with "yes"."""
+    prompt = prompt or JUDGE_PROMPT
+    n = settings.num_samples
+    messages = []
+    for i, text in enumerate(completions):
+        ex = examples[i // n]
+        question = next(m["content"] for m in reversed(ex["messages"]) if m["role"] == "user")
+        content = prompt.format(question=question, reference=ex.get("answer"), completion=text)
+        messages.append([{"role": "user", "content": content}])
+    replies = sample(judge_model, judge_tokenizer, messages, settings, mesh, greedy=True)
+    return [r.strip().lower().startswith("yes") for r in replies["texts"]]
+
+
+# ----------------------------------------------------------------------------------------------
+# Evaluation of runs.
+
+
+def task_examples(cfg: Any, name: str | None, data: str | None, settings: Settings) -> tuple:
+    """(task name, examples) of the config's task or of ``name``, on ``settings.split``.
+
+    Args:
+      cfg: the run's ``TrainConfig`` (prompt template and system prompt carry over).
+      name: another task (e.g. ``jeebench``), or None for the config's.
+      data: the task's ``source`` (a local file, a hub id or ``fixture``), or None.
+      settings: split and ``max_examples``.
+    """
+    from jaxgrpo.train import build_task
+
+    task_cfg = cfg.task
+    kwargs = {} if name and name != task_cfg.name else dict(task_cfg.kwargs)
+    if data:
+        kwargs["source"] = data
+    task_cfg = dataclasses.replace(
+        task_cfg, name=name or task_cfg.name, kwargs=kwargs, num_eval=settings.max_examples or 10**9
+    )
+    if name and name != cfg.task.name:
+        task_cfg = dataclasses.replace(task_cfg, prompt_template="", system_prompt="")
+    task = build_task(task_cfg)
+    examples = task.eval_examples() if settings.split == "test" else task.train_examples(cfg.seed)
+    return task_cfg.name, list(examples)[: settings.max_examples]
+
+
+def evaluate_examples(model, tokenizer, examples, settings, mesh, judge_fn=None) -> tuple:
+    """(summary, records) of one model on one task's examples."""
+    out = sample(model, tokenizer, [ex["messages"] for ex in examples], settings, mesh)
+    records = eval_metrics.score_samples(
+        out["texts"],
+        [ex.get("answer") for ex in examples],
+        settings.num_samples,
+        lengths=out["lengths"],
+        truncated=out["truncated"],
+        tokens=out["tokens"],
+    )
+    if judge_fn is not None:
+        for record, verdict in zip(records, judge_fn(examples, out["texts"]), strict=True):
+            record["judge"] = bool(verdict)
+    return eval_metrics.summarize(records, settings.num_samples), records
+
+
+def evaluate_runs(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
+    """Every run of the command line on every task: ``{label: {"tasks": {...}, ...}}``."""
+    import jax
+
+    from jaxgrpo import config as config_lib
+    from jaxgrpo import sharding
+
+    runs = [(None, "base")] if args.base or not args.checkpoint else []
+    runs += [(d, os.path.basename(os.path.normpath(d))) for d in args.checkpoint or []]
+    overrides = dict(args.overrides)
+    cfg0 = run_config(args.config, runs[-1][0], overrides)
+    sharding.initialize_distributed(
+        coordinator=cfg0.mesh.coordinator_address or None,
+        num_processes=cfg0.mesh.num_processes or None,
+        process_id=cfg0.mesh.process_id if cfg0.mesh.process_id >= 0 else None,
+    )
+    mesh = sharding.make_mesh(config_lib.resolve_mesh_shape(cfg0, jax.device_count()))
+    judge_fn = _make_judge(args, cfg0, settings, mesh) if args.judge else None
+    tasks = [(None, args.data)] + [_task_spec(t) for t in args.tasks or []]
+    results: dict[str, Any] = {}
+    models: dict = {}
+    for run_dir, label in runs:
+        cfg = run_config(args.config, run_dir, overrides) if run_dir else cfg0
+        model, tokenizer, step = load_policy(cfg, run_dir, mesh, args.model, cache=models)
+        entry: dict[str, Any] = {"checkpoint": run_dir, "step": step, "tasks": {}}
+        for name, data in tasks:
+            task_name, examples = task_examples(cfg, name, data, settings)
+            summary, records = evaluate_examples(
+                model, tokenizer, examples, settings, mesh, judge_fn
+            )
+            entry["tasks"][task_name] = {"summary": summary, "records": records}
+        results[_unique(label, results)] = entry
+    return results
+
+
+def _unique(label: str, taken: dict) -> str:
+    out, i = label, 2
+    while out in taken:
+        out, i = f"{label}-{i}", i + 1
+    return out
+
+
+def _task_spec(text: str) -> tuple[str, str | None]:
+    """``name`` or ``name:source`` (e.g. ``jeebench:fixture``)."""
+    name, _, source = text.partition(":")
+    return name, source or None
+
+
+def _make_judge(args, cfg, settings, mesh):
+    from jaxgrpo.train import build_model
+
+    spec = dataclasses.replace(cfg.model, source=args.judge, lora_rank=0)
+    judge_model, judge_tok = build_model(spec, cfg.seed, mesh)
+    prompt = args.judge_prompt or JUDGE_PROMPT
+    return lambda examples, texts: judge(
+        judge_model, judge_tok, examples, texts, settings, mesh, prompt
+    )
+
+
+def write(results: dict[str, Any], settings: Settings, path: str) -> str:
+    """Writes ``path`` (JSON: settings, every figure, per-sample records) and ``path``'s
+    ``.md`` twin (the table); returns the table."""
+    markdown = eval_metrics.results_table(results)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"settings": dataclasses.asdict(settings), "runs": results}, f, indent=1)
+    with open(os.path.splitext(path)[0] + ".md", "w", encoding="utf-8") as f:
+        f.write(markdown)
+    return markdown
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _override(text: str) -> tuple[str, Any]:
+    """``--config.a.b=v`` -> ("a.b", v) with v a Python literal when it parses as one."""
+    key, _, value = text.removeprefix("--config.").partition("=")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
+
+
+def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Settings]:
+    d = Settings()
+    p = argparse.ArgumentParser(
+        prog="python -m jaxgrpo.evaluate", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--config", help="config file or shipped name (default: RUN_DIR/config.json)")
+    p.add_argument("--checkpoint", action="append", help="run directory (repeatable)")
+    p.add_argument("--base", action="store_true", help="also evaluate the untrained model")
+    p.add_argument("--model", help="model source replacing the config's model.source")
+    p.add_argument("--split", default=d.split, choices=("test", "train"))
+    p.add_argument("--num_samples", type=int, default=d.num_samples)
+    p.add_argument("--max_new_tokens", type=int, default=d.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature)
+    p.add_argument("--top_p", type=float, default=d.top_p)
+    p.add_argument("--max_examples", type=int, help="evaluate at most N prompts per task")
+    p.add_argument("--batch_size", type=int, default=d.batch_size, help="prompts per batch")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--data", help="the task's data source (file, hub id or 'fixture')")
+    p.add_argument("--tasks", nargs="*", help="more tasks, NAME or NAME:SOURCE (jeebench)")
+    p.add_argument("--judge", help="judge model source (yes/no per completion)")
+    p.add_argument("--judge_prompt", help="judge prompt with {question} {reference} {completion}")
+    p.add_argument("--out", help="JSON output (default RUN_DIR/eval_SPLIT.json or eval.json)")
+    args, rest = p.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        p.error(f"unrecognized arguments: {' '.join(bad)}")
+    args.overrides = [_override(a) for a in rest]
+    fields = {f.name for f in dataclasses.fields(Settings)}
+    settings = Settings(**{k: v for k, v in vars(args).items() if k in fields})
+    return args, settings
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry: evaluate, write the JSON and Markdown (process 0), print the table."""
+    import jax
+
+    from jaxgrpo.config import ConfigError
+
+    args, settings = parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        results = evaluate_runs(args, settings)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if jax.process_index() == 0:
+        single = args.checkpoint[0] if args.checkpoint and len(args.checkpoint) == 1 else None
+        default = os.path.join(single, f"eval_{settings.split}.json") if single else "eval.json"
+        path = args.out or default
+        print(write(results, settings, path), end="")
+        print(f"wrote {path} and {os.path.splitext(path)[0]}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
