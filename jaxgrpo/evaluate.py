@@ -83,12 +83,13 @@ def run_config(config: str | None, run_dir: str | None, overrides: dict[str, Any
 
     if config:
         return config_lib.load_config(config, overrides)
-    path = os.path.join(run_dir or "", "config.json")
-    if not os.path.isfile(path):
+    from etils import epath  # local paths and gs:// run directories alike
+
+    path = epath.Path(run_dir or ".") / "config.json"
+    if not path.exists():
         raise config_lib.ConfigError(f"no --config given and no {path}; pass --config")
     cfg = base.get_config()
-    with open(path, encoding="utf-8") as f:
-        _assign(cfg, json.load(f))
+    _assign(cfg, json.loads(path.read_text()))
     for key, value in overrides.items():
         node, _, leaf = key.rpartition(".")
         parent = cfg
@@ -352,12 +353,15 @@ def _make_judge(args, cfg, settings, mesh):
 def write(results: dict[str, Any], settings: Settings, path: str) -> str:
     """Writes ``path`` (JSON: settings, every figure, per-sample records) and ``path``'s
     ``.md`` twin (the table); returns the table."""
+    from etils import epath
+
     markdown = eval_metrics.results_table(results)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump({"settings": dataclasses.asdict(settings), "runs": results}, f, indent=1)
-    with open(os.path.splitext(path)[0] + ".md", "w", encoding="utf-8") as f:
-        f.write(markdown)
+    out = epath.Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(
+        json.dumps({"settings": dataclasses.asdict(settings), "runs": results}, indent=1)
+    )
+    out.with_suffix(".md").write_text(markdown)
     return markdown
 
 
@@ -420,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if jax.process_index() == 0:
         single = args.checkpoint[0] if args.checkpoint and len(args.checkpoint) == 1 else None
-        default = os.path.join(single, f"eval_{settings.split}.json") if single else "eval.json"
+        default = f"{single.rstrip('/')}/eval_{settings.split}.json" if single else "eval.json"
         path = args.out or default
         print(write(results, settings, path), end="")
         print(f"wrote {path} and {os.path.splitext(path)[0]}.md")
