@@ -28,6 +28,7 @@ import ast
 import dataclasses
 import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -232,7 +233,14 @@ def sample(model, tokenizer, messages: list, settings: Settings, mesh, *, greedy
 
 
 def judge(judge_model, judge_tokenizer, examples, completions, settings, mesh, prompt=None):
-    """bool per completion: the judge's greedy reply starts with "yes"."""
+    """bool per completion: the judge's greedy reply (4 tokens) starts with the word "yes".
+
+    Args:
+      judge_model / judge_tokenizer: any ``load_model`` model (an instruct model).
+      examples: [B] task examples (their last user message is the question, ``answer`` the
+        reference); completions: [B * num_samples] texts grouped by prompt.
+      prompt: template with ``{question}``, ``{reference}`` and ``{completion}``.
+    """
     prompt = prompt or JUDGE_PROMPT
     n = settings.num_samples
     messages = []
@@ -242,7 +250,12 @@ def judge(judge_model, judge_tokenizer, examples, completions, settings, mesh, p
         content = prompt.format(question=question, reference=ex.get("answer"), completion=text)
         messages.append([{"role": "user", "content": content}])
     replies = sample(judge_model, judge_tokenizer, messages, settings, mesh, greedy=True)
-    return [r.strip().lower().startswith("yes") for r in replies["texts"]]
+    return [judge_says_yes(r) for r in replies["texts"]]
+
+
+def judge_says_yes(reply: str) -> bool:
+    """The reply's first word is "yes" (any case, punctuation after it allowed)."""
+    return re.match(r"\W*yes\b", reply, re.IGNORECASE) is not None
 
 
 # ----------------------------------------------------------------------------------------------

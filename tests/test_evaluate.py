@@ -31,6 +31,15 @@ def test_run_config_round_trips_config_json(tmp_path):
         evaluate.run_config(None, str(tmp_path / "nowhere"), {})
 
 
+@pytest.mark.parametrize(
+    ("reply", "yes"),
+    [("Yes", True), (" yes.", True), ("**YES**, it does", True), ("No", False),
+     ("Yesterday", False), ("not yes", False), ("", False)],
+)  # fmt: skip
+def test_judge_reads_the_first_word(reply, yes):
+    assert evaluate.judge_says_yes(reply) is yes
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A run directory holding config.json and a step-3 checkpoint whose LoRA B is non-zero
@@ -48,8 +57,14 @@ def tiny_run(tmp_path_factory):
     rewards = RewardSet([("format_copy", 1.0)])
     learner = Learner(cfg, model, tokenizer, build_task(cfg.task), rewards, mesh)
     state = learner.init_state()
-    keys = iter(jax.random.split(jax.random.key(7), len(jax.tree.leaves(state.params))))
-    params = jax.tree.map(lambda x: x + 0.3 * jax.random.normal(next(keys), x.shape), state.params)
+    # Host-side noise: eager jax.random per leaf shape would compile one program per shape.
+    rng = np.random.default_rng(7)
+
+    def perturb(x):
+        noisy = np.asarray(x) + 0.3 * rng.standard_normal(x.shape).astype(x.dtype)
+        return jax.device_put(noisy, x.sharding)
+
+    params = jax.tree.map(perturb, state.params)
     state = state.replace(params=params)
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=1, keep=1)
     ckpt.save(3, state, {"step": 3, "data_cursor": 6}, force=True)
@@ -79,7 +94,7 @@ def test_evaluate_checkpoint_and_base_side_by_side(tiny_run, tmp_path):
     run_dir, _, _ = tiny_run
     out = tmp_path / "eval.json"
     argv = ["--checkpoint", run_dir, "--base", "--num_samples", "3", "--max_examples", "2"]
-    argv += ["--max_new_tokens", "6", "--batch_size", "2", "--out", str(out)]
+    argv += ["--max_new_tokens", "6", "--batch_size", "2", "--out", str(out), "--judge", "tiny"]
     assert evaluate.main(argv) == 0
     data = json.loads(out.read_text())
     label = os.path.basename(run_dir)
@@ -91,6 +106,8 @@ def test_evaluate_checkpoint_and_base_side_by_side(tiny_run, tmp_path):
         summary, records = task["summary"], task["records"]
         assert len(records) == 2 * 3 and summary["num_prompts"] == 2
         assert {"pass@1", "pass@2", "pass@3", "mean@3", "lenient", "format"} <= set(summary)
+        # The judge (a random tiny model here) gives one verdict per completion.
+        assert all(isinstance(r["judge"], bool) for r in records) and 0 <= summary["judge"] <= 1
         assert all(1 <= r["length"] <= 6 for r in records)
     base_texts = [r["completion"] for r in data["runs"]["base"]["tasks"]["format_copy"]["records"]]
     run_texts = [r["completion"] for r in data["runs"][label]["tasks"]["format_copy"]["records"]]
