@@ -140,3 +140,65 @@ def test_evaluate_reports_accuracy(one_device_run):
     m = learner.evaluate(state, one_device_run["examples"][:3])
     assert m["num_examples"] == 3
     assert 0.0 <= m["strict_accuracy"] <= 1.0 and 0.0 <= m["accuracy"] <= 1.0
+
+
+def _rollout(rewards_BG, prompt_len):
+    """A host-side rollout with given rewards (no model involved)."""
+    from jaxgrpo.rl.rollout import Rollout
+
+    b, g = rewards_BG.shape
+    n, t = b * g, 3
+    return Rollout(
+        examples=[{"messages": [], "answer": str(i)} for i in range(b)],
+        prompt_ids=np.arange(b * prompt_len, dtype=np.int32).reshape(b, prompt_len) + 1,
+        prompt_mask=np.ones((b, prompt_len), np.int32),
+        tokens=np.arange(n * t, dtype=np.int32).reshape(n, t),
+        mask=np.ones((n, t), np.int32),
+        logprobs=np.zeros((n, t), np.float32),
+        temps=np.ones((n, t), np.float32),
+        stop_reason=np.zeros(n, np.int32),
+        lengths=np.full(n, t, np.int32),
+        prompts=[f"p{i // g}" for i in range(n)],
+        completions=[f"c{i}" for i in range(n)],
+        rewards=rewards_BG.reshape(-1).astype(np.float32),
+        per_fn={"r": rewards_BG.reshape(-1).astype(np.float32)},
+        weights={"r": 1.0},
+        correct=None,
+    )
+
+
+def test_rollout_group_selection_and_concat_keep_groups_aligned():
+    from jaxgrpo.rl.rollout import concat
+
+    first = _rollout(np.array([[1.0, 1.0], [0.0, 1.0]]), prompt_len=4)
+    second = _rollout(np.array([[0.5, 0.5], [2.0, 0.0]]), prompt_len=8)
+    np.testing.assert_array_equal(first.zero_variance_groups(), [True, False])
+    merged = concat([first, second], pad_id=0)
+    assert merged.prompt_ids.shape == (4, 8)
+    # The shorter prompts are left-padded, their tokens unchanged at the right.
+    np.testing.assert_array_equal(merged.prompt_ids[0, 4:], first.prompt_ids[0])
+    np.testing.assert_array_equal(merged.prompt_mask[0], [0] * 4 + [1] * 4)
+    kept = merged.select_groups(np.flatnonzero(~merged.zero_variance_groups()))
+    assert [ex["answer"] for ex in kept.examples] == ["1", "1"]
+    np.testing.assert_array_equal(kept.rewards, [0.0, 1.0, 2.0, 0.0])
+    assert kept.completions == ["c2", "c3", "c2", "c3"]
+    np.testing.assert_array_equal(kept.tokens[2], second.tokens[2])
+
+
+def test_strict_and_lenient_accuracy():
+    from jaxgrpo.rl import accuracy
+
+    completions = ["<answer>42</answer>", " <answer>42</answer>\n", "so <answer>42</answer>", "42"]
+    columns = {"answer": ["42"] * 4}
+    strict = accuracy.strict_correct("format_copy", completions, columns)
+    np.testing.assert_array_equal(strict, [True, True, False, False])
+    np.testing.assert_array_equal(
+        accuracy.lenient_correct(completions, columns), [True, True, True, False]
+    )
+    gsm = accuracy.strict_correct(
+        "gsm8k",
+        ["x <answer>42</answer>", "<answer>41</answer>"],
+        {"answer": ["#### 42", "#### 42"]},
+    )
+    np.testing.assert_array_equal(gsm, [True, False])
+    assert accuracy.strict_correct("sonnets", completions, {"reference": ["a"] * 4}) is None
