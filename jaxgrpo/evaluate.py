@@ -28,35 +28,26 @@ import ast
 import dataclasses
 import json
 import os
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from jaxgrpo import eval_metrics
+from jaxgrpo.eval_sampling import JUDGE_PROMPT, Settings, judge, judge_says_yes, sample
 
-JUDGE_PROMPT = (
-    "Question:\n{question}\n\nReference answer: {reference}\n\nStudent's solution:\n"
-    "{completion}\n\nDoes the student's solution reach the reference answer? "
-    "Reply with one word: yes or no."
-)
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Sampling settings of an evaluation (seed study defaults)."""
-
-    split: str = "test"
-    num_samples: int = 8
-    max_new_tokens: int = 512
-    temperature: float = 0.6
-    top_p: float = 0.95
-    max_examples: int | None = None
-    batch_size: int = 8
-    seed: int = 0
-
+__all__ = [
+    "JUDGE_PROMPT",
+    "Settings",
+    "evaluate_examples",
+    "evaluate_runs",
+    "judge",
+    "judge_says_yes",
+    "load_policy",
+    "main",
+    "restore_params",
+    "run_config",
+    "sample",
+]
 
 # ----------------------------------------------------------------------------------------------
 # Configs, models and checkpoints.
@@ -167,95 +158,6 @@ def restore_params(cfg: Any, model: Any, tokenizer: Any, run_dir: str, mesh: Any
         ckpt.close()
     nnx.update(model, state.params)
     return int(step)
-
-
-# ----------------------------------------------------------------------------------------------
-# Sampling and judging.
-
-
-def _put(x: np.ndarray, mesh: Any):
-    """A global array of a host batch that every process holds, rows over (data, fsdp)."""
-    import jax
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    rows = mesh.shape["data"] * mesh.shape["fsdp"]
-    spec = PartitionSpec(("data", "fsdp")) if x.shape[0] % rows == 0 else PartitionSpec()
-    return jax.make_array_from_callback(x.shape, NamedSharding(mesh, spec), lambda i: x[i])
-
-
-def _host(x) -> np.ndarray:
-    """The whole value of a (possibly multi-host) array on this host."""
-    from jax.experimental import multihost_utils
-
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def sample(model, tokenizer, messages: list, settings: Settings, mesh, *, greedy=False) -> dict:
-    """Completions of every prompt, ``num_samples`` each (1 if greedy), in batches.
-
-    Returns:
-      ``texts`` [B * n], ``lengths``, ``truncated`` and ``tokens`` (lists of ids), grouped by
-      prompt.
-    """
-    import jax
-
-    from jaxgrpo.sampling import StopReason, generate
-
-    n = 1 if greedy else settings.num_samples
-    out: dict[str, list] = {"texts": [], "lengths": [], "truncated": [], "tokens": []}
-    key = jax.random.key(settings.seed)
-    for i, start in enumerate(range(0, len(messages), settings.batch_size)):
-        chunk = messages[start : start + settings.batch_size]
-        # A fixed batch shape (last batch padded with its final prompt) compiles once.
-        padded = chunk + [chunk[-1]] * (settings.batch_size - len(chunk))
-        ids, mask = tokenizer.encode_chat(padded)
-        res = generate(
-            model,
-            _put(np.asarray(ids), mesh),
-            _put(np.asarray(mask), mesh),
-            rng=jax.random.fold_in(key, i),
-            max_new_tokens=settings.max_new_tokens if not greedy else 4,
-            temperature=0.0 if greedy else settings.temperature,
-            top_p=1.0 if greedy else settings.top_p,
-            eos_ids=tokenizer.eos_ids,
-            num_samples=n,
-            pad_id=tokenizer.pad_id,
-        )
-        keep = len(chunk) * n
-        tokens, tmask = _host(res.tokens)[:keep], _host(res.mask)[:keep]
-        out["texts"] += tokenizer.batch_decode(tokens, tmask)
-        out["lengths"] += tmask.sum(-1).tolist()
-        out["truncated"] += (_host(res.stop_reason)[:keep] == int(StopReason.LENGTH)).tolist()
-        out["tokens"] += [t[m > 0].tolist() for t, m in zip(tokens, tmask, strict=True)]
-    return out
-
-
-def judge(judge_model, judge_tokenizer, examples, completions, settings, mesh, prompt=None):
-    """bool per completion: the judge's greedy reply (4 tokens) starts with the word "yes".
-
-    Args:
-      judge_model / judge_tokenizer: any ``load_model`` model (an instruct model).
-      examples: [B] task examples (their last user message is the question, ``answer`` the
-        reference); completions: [B * num_samples] texts grouped by prompt.
-      prompt: template with ``{question}``, ``{reference}`` and ``{completion}``.
-    """
-    prompt = prompt or JUDGE_PROMPT
-    n = settings.num_samples
-    messages = []
-    for i, text in enumerate(completions):
-        ex = examples[i // n]
-        question = next(m["content"] for m in reversed(ex["messages"]) if m["role"] == "user")
-        content = prompt.format(question=question, reference=ex.get("answer"), completion=text)
-        messages.append([{"role": "user", "content": content}])
-    replies = sample(judge_model, judge_tokenizer, messages, settings, mesh, greedy=True)
-    return [judge_says_yes(r) for r in replies["texts"]]
-
-
-def judge_says_yes(reply: str) -> bool:
-    """The reply's first word is "yes" (any case, punctuation after it allowed)."""
-    return re.match(r"\W*yes\b", reply, re.IGNORECASE) is not None
 
 
 # ----------------------------------------------------------------------------------------------
