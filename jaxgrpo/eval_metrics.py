@@ -228,7 +228,8 @@ def summarize(records: Sequence[dict[str, Any]], num_samples: int) -> dict[str, 
 
 
 def default_columns(runs: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[str, str, str]]:
-    """The seed study's layout: strict, lenient and pass@G for the first task, strict after.
+    """The seed study's layout: strict, lenient and pass@G (and the judge's rate when judged)
+    for the first task, then strict for each other task.
 
     Args:
       runs: ``{run label: {task name: summary}}``.
@@ -246,6 +247,8 @@ def default_columns(runs: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[st
             g = next(r[task]["num_samples"] for r in runs.values() if task in r)
             columns += [(task, "strict", f"{label} strict"), (task, "lenient", f"{label} lenient")]
             columns.append((task, f"pass@{g}", f"{label} pass@{g}"))
+            if any("judge" in r.get(task, {}) for r in runs.values()):
+                columns.append((task, "judge", f"{label} judge"))
         else:
             columns.append((task, "strict", label))
     return columns

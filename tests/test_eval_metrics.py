@@ -138,3 +138,10 @@ def test_markdown_table_side_by_side():
     assert lines[1] == "|---|---:|---:|---:|---:|"
     assert lines[2] == "| base | 50.0 | 60.0 | 90.0 | 10.0 |"
     assert lines[3] == "| hard | 71.2 | 75.0 | 95.0 | - |"
+
+
+def test_markdown_table_adds_the_judge_column_when_judged():
+    runs = {"a": {"gsm8k": {"strict": 0.5, "lenient": 0.5, "pass@2": 0.5, "judge": 0.25,
+                            "num_samples": 2}}}  # fmt: skip
+    header = em.markdown_table(runs).split("\n")[0]
+    assert header.endswith("| GSM8K pass@2 | GSM8K judge |")
