@@ -132,7 +132,8 @@ def test_kill_after_step_2_and_resume_equals_uninterrupted(tmp_path):
 
     config = tmp_path / "tiny_resume.py"
     config.write_text(RESUME_CONFIG)
-    env = _env(tmp_path / "cache")
+    # One device per run: this test is about exact resumption, not about collectives.
+    env = _env(tmp_path / "cache", devices=1)
     full_dir, killed_dir = tmp_path / "full", tmp_path / "killed"
     full = _train(config, full_dir, env)
     victim = _train(config, killed_dir, env)
@@ -151,14 +152,16 @@ def test_kill_after_step_2_and_resume_equals_uninterrupted(tmp_path):
         assert p.returncode == 0, log[-4000:]
     assert "resuming" in log
     want, got = _metrics(full_dir), _metrics(killed_dir)
+    table = {s: (want[s].get("reward/mean"), got.get(s, {}).get("reward/mean")) for s in want}
+    why = f"reward/mean per step (uninterrupted, resumed): {table}"
     assert sorted(got) == sorted(want) == [1, 2, 3, 4]
     got4, want4 = _comparable(got[4]), _comparable(want[4])
     assert sorted(got4) == sorted(want4)
     for key, value in want4.items():
         if value is None:  # NaN metrics (e.g. length of correct answers when none is) are null
-            assert got4[key] is None, key
+            assert got4[key] is None, (key, why)
         else:
-            assert got4[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+            assert got4[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (key, why)
 
     cfg = load_config(str(config), {"run_dir": str(tmp_path / "unused")})
     target = build_parts(cfg)["learner"].init_state()
