@@ -105,15 +105,17 @@ def test_sharded_params_per_device_match_the_mesh_split():
 def test_activation_estimate_within_factor_of_xla():
     """Bytes XLA allocates for temporaries of the prefix-shared scoring gradient (the update's
     big pass) vs the estimate: XLA fuses and reuses buffers, so the estimate is an order of
-    magnitude figure. Measured ratios at these sizes: 0.75 with remat, 0.65 without (checked
-    once; one compile is kept here for the time budget). Tolerance: 0.4x to 2.5x."""
+    magnitude figure. Measured ratios at these sizes: 0.70 (qwen3, remat), 0.75 (llama, remat),
+    0.61 (llama, no remat); one compile is kept here for the time budget.
+    Tolerance: 0.4x to 2.5x."""
     from jaxgrpo.rl.logprobs import shared_prefix_logprobs
 
     b, g, p, t = 2, 4, 32, 64
     cfg = VARIANTS["qwen3_lora"].replace(remat=True)
-    graphdef, lora, base = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)), nnx.LoRAParam, ...)
+    # Abstract weights and inputs: XLA's buffer assignment needs shapes, not values.
+    graphdef, lora, base = nnx.split(abstract_model(cfg), nnx.LoRAParam, ...)
 
-    def loss(lora, ids_BP, tokens_NT):
+    def loss(lora, base, ids_BP, tokens_NT):
         model = nnx.merge(graphdef, lora, base)
         ones_BP, ones_NT = jnp.ones_like(ids_BP), jnp.ones_like(tokens_NT)
         temps_NT = jnp.ones(tokens_NT.shape, jnp.float32)
@@ -122,8 +124,9 @@ def test_activation_estimate_within_factor_of_xla():
         )
         return logp_NT.sum()
 
-    ids_BP, tokens_NT = jnp.ones((b, p), jnp.int32), jnp.ones((b * g, t), jnp.int32)
-    compiled = jax.jit(jax.grad(loss)).lower(lora, ids_BP, tokens_NT).compile()
+    ids_BP = jax.ShapeDtypeStruct((b, p), jnp.int32)
+    tokens_NT = jax.ShapeDtypeStruct((b * g, t), jnp.int32)
+    compiled = jax.jit(jax.grad(loss)).lower(lora, base, ids_BP, tokens_NT).compile()
     measured = compiled.memory_analysis().temp_size_in_bytes
     est = memory.estimate(cfg, memory.RunShape(prompts=b, group=g, prompt_len=p, new_tokens=t))
     assert 0.4 <= est["activations"] / measured <= 2.5, (est["activations"], measured)
