@@ -294,6 +294,7 @@ def _override(text: str) -> tuple[str, Any]:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Settings]:
+    """(arguments, sampling settings); ``--config.a.b=v`` go to ``args.overrides``."""
     d = Settings()
     p = argparse.ArgumentParser(
         prog="python -m jaxgrpo.evaluate", description=__doc__.split("\n")[0]
