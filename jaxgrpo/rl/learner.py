@@ -73,6 +73,7 @@ class Learner:
         self.param_sh = sharding.param_shardings(params, self.mesh, rules)
         self.frozen_sh = sharding.param_shardings(frozen_state, self.mesh, rules)
         self._params0 = _place(params, self.param_sh)
+        self.n_params = sum(x.size for x in jax.tree.leaves((params, frozen_state)))
         self.frozen = _place(frozen_state, self.frozen_sh)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self._check_batch_layout()
@@ -224,6 +225,12 @@ class Learner:
             skipped_updates=float(ro.to_host(state.skipped)),
         )
         metrics["time/step_learner"] = time.perf_counter() - t_start
+        fwd = int(self.needs_ref) + int(self.old_from == "forward")
+        metrics.update(
+            step_metrics.flop_metrics(
+                self.n_params, rollout, fwd, self.updates_per_step, metrics["time/step_learner"]
+            )
+        )
         return state, metrics, step_metrics.samples(rollout, extra["advantages"], step)
 
     def _maybe_reset_reference(self, state: TrainState, step: int) -> TrainState:

@@ -11,6 +11,8 @@ Key names (the logger's progress bar and dead-run check read the first group):
     entropy, loss, policy_loss, kl_loss, clip_frac{,_low,_high}, ratio_{mean,min,max},
     grad_norm, sampler_logp_gap{,_max}, update_skipped       averaged over the step's updates
     tokens_per_s                generated tokens per second of sampling
+    flops/step_est, flops/tflops_per_s   model FLOPs of the step (2 x params per token forward,
+                                6 x forward+backward; attention ignored) and their rate
 """
 
 from __future__ import annotations
@@ -118,6 +120,18 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
     m.update({f"time/{k}": v for k, v in seconds.items()})
     m["tokens_per_s"] = float(r.lengths.sum()) / max(seconds.get("sampling", 0.0), 1e-9)
     return m
+
+
+def flop_metrics(n_params: int, r: Rollout, fwd_passes: int, train_passes: int, seconds: float):
+    """Estimated model FLOPs of a step: sampling, `fwd_passes` scoring-only passes (reference,
+    old policy) and `train_passes` forward+backward passes, all over the prompt once per group
+    (prefix sharing) plus every completion token."""
+    prompt_tokens = float(r.prompt_mask.sum())
+    completion_tokens = float(r.mask.sum())
+    scored = prompt_tokens + completion_tokens
+    flops = 2.0 * n_params * scored  # sampling: prefill + decode
+    flops += (2.0 * fwd_passes + 6.0 * train_passes) * n_params * scored
+    return {"flops/step_est": flops, "flops/tflops_per_s": flops / max(seconds, 1e-9) / 1e12}
 
 
 def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:

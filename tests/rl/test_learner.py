@@ -28,14 +28,14 @@ def text_reward(prompts, completions, **_):
     return [float(sum(map(ord, c)) % 7) / 7.0 for c in completions]
 
 
-def make_learner(mesh_shape, devices, **overrides):
+def make_learner(mesh_shape, devices, reward=text_reward, **overrides):
     base = {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1}
     cfg = load_config("tiny.py", {**base, **overrides})
     mesh = sharding.make_mesh(mesh_shape, devices=devices)
     lora = LoRAConfig(rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)
     model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh)
     task = get_task("format_copy")
-    return Learner(cfg, model, tokenizer, task, RewardSet([(text_reward, 1.0)]), mesh), task
+    return Learner(cfg, model, tokenizer, task, RewardSet([(reward, 1.0)]), mesh), task
 
 
 def host_params(state):
@@ -202,3 +202,56 @@ def test_strict_and_lenient_accuracy():
     )
     np.testing.assert_array_equal(gsm, [True, False])
     assert accuracy.strict_correct("sonnets", completions, {"reference": ["a"] * 4}) is None
+
+
+def parity_reward(prompts, completions, answer, **_):
+    """text_reward for odd answers, 0 for even ones: even groups have no reward variance."""
+    scores = text_reward(prompts, completions)
+    return [r if int(a) % 2 else 0.0 for r, a in zip(scores, answer, strict=True)]
+
+
+def test_off_policy_options_step():
+    """ppo_epochs x minibatches with old log-probs, KL in reward, TIS, reference reset and
+    dynamic sampling with refills all run, and report what they did."""
+    from jaxgrpo.models.lora import zero_lora
+
+    learner, task = make_learner(
+        {"data": 1},
+        jax.devices()[:1],
+        reward=parity_reward,
+        **{
+            "rl.ppo_epochs": 2,
+            "rl.num_minibatches": 2,
+            "rl.kl_in_reward": True,
+            "rl.tis_cap": 2.0,
+            "rl.ref_reset_every": 1,
+            "rl.ref_reset_optimizer": True,
+            "rl.dynamic_sampling": True,
+            "rl.dynamic_sampling_max_draws": 3,
+        },
+    )
+    assert learner.old_from == "forward", "TIS needs the trainer's behaviour log-probs"
+    stream = iter(task.train_examples(0))
+    drawn = []
+
+    def draw(n):
+        drawn.append(n)
+        return [next(stream) for _ in range(n)]
+
+    state = learner.init_state()
+    for _ in range(2):
+        drawn.clear()
+        state, m, samples = learner.step(state, draw(2), draw=draw)
+        assert m["updates"] == 4  # 2 epochs x 2 minibatches
+        assert np.isfinite(m["loss"]) and m["update_skipped"] == 0
+        assert "kl/in_reward_mean" in m
+        assert m["draws"] == len(drawn), "each sampling round draws one batch of prompts"
+        odd = [int(s["prompt"].rsplit(": ", 1)[1].split("<")[0]) % 2 for s in samples]
+        if m["draws"] < 3:  # refilled: every kept group has reward variance
+            assert all(odd), "a zero-variance group was kept although refills remained"
+    # After the first update of a step the policy has moved: ratios leave 1.
+    assert m["ratio_max"] > 1.0 or m["ratio_min"] < 1.0
+    # The reference was reset to the policy at step 1: its LoRA B is no longer zero.
+    ref, zeroed = jax.tree.leaves(state.ref_params), jax.tree.leaves(zero_lora(state.ref_params))
+    diffs = [float(np.abs(to_host(a) - to_host(b)).max()) for a, b in zip(ref, zeroed, strict=True)]
+    assert max(diffs) > 0
