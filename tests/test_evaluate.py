@@ -118,15 +118,21 @@ def test_evaluate_checkpoint_and_base_side_by_side(tiny_run, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_on_gsm8k_fixture(tmp_path):
-    """The real model, seed-study prompt, 2 prompts x 2 samples x 16 tokens (figures not
-    asserted: 16 tokens rarely reach an answer; the pipeline and the records are)."""
+    """The real model, seed-study prompt, 2 prompts x 2 samples x 16 tokens on GSM8K and JEE
+    (figures not asserted: 16 tokens rarely reach an answer; the pipeline, the records and the
+    seed study's table layout are)."""
     out = tmp_path / "smol.json"
     argv = ["--config", "gsm8k_hard", "--model", "smollm2", "--data", "fixture"]
     argv += ["--max_examples", "2", "--num_samples", "2", "--max_new_tokens", "16"]
     argv += ["--batch_size", "2", "--out", str(out), "--config.model.lora_rank=0"]
     argv += ["--config.model.dtype='float32'", "--config.model.param_dtype='float32'"]
+    argv += ["--tasks", "jeebench:fixture"]
     assert evaluate.main(argv) == 0
-    (task,) = json.loads(out.read_text())["runs"]["base"]["tasks"].values()
+    tasks = json.loads(out.read_text())["runs"]["base"]["tasks"]
+    assert list(tasks) == ["gsm8k", "jeebench"] and len(tasks["jeebench"]["records"]) == 4
+    header = (tmp_path / "smol.md").read_text().split("\n")[0]
+    assert header == "| strategy | GSM8K strict | GSM8K lenient | GSM8K pass@2 | JEE |"
+    task = tasks["gsm8k"]
     texts = [r["completion"] for r in task["records"]]
     assert len(texts) == 4 and all(r["length"] <= 16 for r in task["records"])
     # A real instruct model writes words, not byte soup.
