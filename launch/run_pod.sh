@@ -20,6 +20,8 @@
 #   --dry-run          print every command instead of running it
 set -euo pipefail
 
+# Works with bash >= 3.2 (macOS): empty arrays are expanded as ${a[@]+"${a[@]}"} under set -u.
+
 DRY_RUN=0
 NAME="${TPU_NAME:-}"
 ZONE="${TPU_ZONE:-}"
@@ -91,12 +93,12 @@ ssh_workers() {  # ssh_workers WORKER COMMAND
 # One shell-quoted string of the train command, so arguments with spaces survive ssh.
 train_command() {
   local out="" arg
-  for arg in "${ENVS[@]}"; do
+  for arg in ${ENVS[@]+"${ENVS[@]}"}; do
     [[ "$arg" == *=* ]] || die "--env wants KEY=VALUE, got '$arg'"
     out+="$(quote "$arg") "
   done
   out+="\$HOME/$VENV/bin/python -m jaxgrpo.train"
-  for arg in "${TRAIN_ARGS[@]}"; do out+=" $(quote "$arg")"; done
+  for arg in ${TRAIN_ARGS[@]+"${TRAIN_ARGS[@]}"}; do out+=" $(quote "$arg")"; done
   # Every worker is one process; JAX discovers the pod unless the user set it explicitly.
   [[ " ${TRAIN_ARGS[*]} " == *" --config.mesh.num_processes"* ]] ||
     out+=" --config.mesh.num_processes=-1"

@@ -26,8 +26,10 @@
 #   --src PATH --dst PATH     for copy
 #   --worker W         for ssh: a worker index or "all" [all]
 #   --command CMD      for ssh
-#   --dry-run          print every command instead of running it (must come first or anywhere)
+#   --dry-run          print every command instead of running it (anywhere on the line)
 set -euo pipefail
+
+# Works with bash >= 3.2 (macOS): empty arrays are expanded as ${a[@]+"${a[@]}"} under set -u.
 
 DRY_RUN=0
 NAME="${TPU_NAME:-}"
@@ -130,10 +132,10 @@ cmd_create() {
   [[ "$SPOT" == 1 ]] && extra+=(--spot)
   if [[ "$QUEUED" == 1 ]]; then
     run gcloud compute tpus queued-resources create "$NAME" --node-id="$NAME" "${COMMON[@]}" \
-      --accelerator-type="$type" --runtime-version="$version" "${extra[@]}"
+      --accelerator-type="$type" --runtime-version="$version" ${extra[@]+"${extra[@]}"}
   else
     run gcloud compute tpus tpu-vm create "$NAME" "${COMMON[@]}" \
-      --accelerator-type="$type" --version="$version" "${extra[@]}"
+      --accelerator-type="$type" --version="$version" ${extra[@]+"${extra[@]}"}
   fi
 }
 
