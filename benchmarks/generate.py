@@ -188,18 +188,22 @@ def main():
         f", compute {floor['compute_floor_ms']:.1f})"
     )
 
-    rows = [("jaxgrpo", *run_ours(model, ids, mask, g, t, args.repeats))]
-    if not args.skip_hf:
-        rows.append(("transformers", *run_hf(hf, ids, mask, g, t, args.repeats)))
     print(f"{'':14}{'tokens/s':>10}{'call s':>9}{'prefill s':>11}{'step ms':>9}{'x floor':>9}")
-    for name, full, prefill in rows:
+    sides = [("jaxgrpo", lambda: run_ours(model, ids, mask, g, t, args.repeats))]
+    if not args.skip_hf:
+        sides.append(("transformers", lambda: run_hf(hf, ids, mask, g, t, args.repeats)))
+    rates = []
+    for name, run in sides:  # each row is printed as soon as it is measured
+        full, prefill = run()
         step_ms = (full - prefill) / (t - 1) * 1e3
+        rates.append(n * t / full)
         print(
-            f"{name:14}{n * t / full:10.1f}{full:9.2f}{prefill:11.2f}{step_ms:9.1f}"
-            f"{step_ms / floor['floor_ms']:9.2f}"
+            f"{name:14}{rates[-1]:10.1f}{full:9.2f}{prefill:11.2f}{step_ms:9.1f}"
+            f"{step_ms / floor['floor_ms']:9.2f}",
+            flush=True,
         )
-    if len(rows) == 2:
-        print(f"speed-up jaxgrpo / transformers: {rows[1][1] / rows[0][1]:.2f}x tokens/s")
+    if len(rates) == 2:
+        print(f"speed-up jaxgrpo / transformers: {rates[0] / rates[1]:.2f}x tokens/s")
 
 
 if __name__ == "__main__":
