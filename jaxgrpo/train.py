@@ -347,7 +347,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(f"error: {e}")
         try:
             run(cfg)
-        except ConfigError as e:
+        except (ConfigError, OSError) as e:
+            # Bad input (config, missing file, unreachable hub id): one clear line, no traceback.
             sys.exit(f"error: {e}")
 
     def _parse(args):
