@@ -48,29 +48,9 @@ COMMAND=""
 REMOTE_DIR="jaxgrpo"
 VENV="jaxgrpo-venv"
 
-usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit "${1:-0}"; }
-die() { echo "tpu_vm.sh: $*" >&2; exit 2; }
-
-# One argument quoted for a POSIX shell: bare when safe, else in single quotes.
-quote() {
-  if [[ "$1" =~ ^[A-Za-z0-9_./:=@%+,-]+$ ]]; then
-    printf '%s' "$1"
-  else
-    local sq="'" esc="'\\''"
-    printf "'%s'" "${1//$sq/$esc}"
-  fi
-}
-
-# Prints the command (shell-quoted, one line) in dry-run mode, runs it otherwise.
-run() {
-  if [[ "$DRY_RUN" == 1 ]]; then
-    local out="" arg
-    for arg in "$@"; do out+="$(quote "$arg") "; done
-    echo "${out% }"
-  else
-    "$@"
-  fi
-}
+SCRIPT="tpu_vm.sh"
+# shellcheck source=launch/common.sh
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 while [[ $# -gt 0 ]]; do
   case "$1" in
