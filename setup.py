@@ -36,6 +36,7 @@ EXTRAS = {
         "nbclient==0.11.0",
         "nbformat==5.11.1",
         "ipykernel==7.4.0",
+        "pyarrow==26.0.1",
     ],
     # Peers for benchmarks/ (not needed by the tests).
     "bench": [
@@ -45,7 +46,7 @@ EXTRAS = {
         "accelerate==1.15.0",
         "datasets==5.2.0",
     ],
-    "data": ["datasets==5.2.0"],
+    "data": ["datasets==5.2.0", "pyarrow==26.0.1"],
     "tpu": ["jax[tpu]==0.10.2"],
     "gpu": ["jax[cuda12]==0.10.2"],
 }
