@@ -161,6 +161,20 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    """``python -m jaxgrpo.evaluate`` defaults (the seed study's) and its judge; CLI flags
+    override them."""
+
+    num_samples: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    batch_size: int
+    judge_source: str
+    judge_prompt: str
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run, frozen. ``to_dict()`` is the JSON snapshot stored with checkpoints."""
 
@@ -177,6 +191,7 @@ class TrainConfig:
     mesh: MeshConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    eval: EvalConfig
 
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
@@ -294,6 +309,7 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
         mesh=MeshConfig(**d["mesh"]),
         checkpoint=CheckpointConfig(**d["checkpoint"]),
         logging=LoggingConfig(**d["logging"]),
+        eval=EvalConfig(**d["eval"]),
     )
 
 

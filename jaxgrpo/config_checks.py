@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -158,6 +159,23 @@ def _check_rl(cfg: ConfigDict) -> None:
     )
 
 
+def _check_eval(cfg: ConfigDict) -> None:
+    e = cfg.eval
+    for key in ("num_samples", "max_new_tokens", "batch_size"):
+        _require(e[key] >= 1, f"eval.{key}", "must be >= 1", e[key])
+    _require(e.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)", e.temperature)
+    _require(0 < e.top_p <= 1, "eval.top_p", "must be in (0, 1]", e.top_p)
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(e.judge_prompt) if name}
+    except ValueError as err:  # e.g. an unmatched "{": literal braces are written "{{" "}}"
+        raise ConfigError(f"config key 'eval.judge_prompt': {err}") from None
+    allowed = {"question", "reference", "completion"}
+    msg = f"placeholders {sorted(fields - allowed)} unknown; use {sorted(allowed)}"
+    _require(fields <= allowed, "eval.judge_prompt", msg, e.judge_prompt)
+    msg = "needs {completion} (the judge must see the answer it judges)"
+    _require("completion" in fields, "eval.judge_prompt", msg, e.judge_prompt)
+
+
 def check_mesh(cfg: Any, num_devices: int | None) -> dict[str, int]:
     """Mesh checks for a ConfigDict or a TrainConfig; returns the (resolved) axis sizes."""
     m, r = cfg.mesh, cfg.rl
@@ -224,3 +242,4 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     _require(cfg.logging.every >= 1, "logging.every", "must be >= 1", cfg.logging.every)
     samples = cfg.logging.samples_every
     _require(samples >= 0, "logging.samples_every", "must be >= 0", samples)
+    _check_eval(cfg)

@@ -1,5 +1,6 @@
 """Sampling for evaluation: completions of many prompts in fixed-shape batches over the mesh,
-and a yes/no judge model. Used by ``jaxgrpo.evaluate`` (and the Colab demo)."""
+and a yes/no judge model (the config's ``eval.judge_source``, asked with ``eval.judge_prompt``).
+Used by ``jaxgrpo.evaluate`` (and the Colab demo)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ JUDGE_PROMPT = (
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Sampling settings of an evaluation (seed study defaults)."""
+    """Settings of an evaluation: the seed study's defaults, as the config's ``eval`` section
+    (``jaxgrpo.evaluate`` builds this from it) plus the split, example cap and seed."""
 
     split: str = "test"
     num_samples: int = 8
@@ -28,6 +30,8 @@ class Settings:
     max_examples: int | None = None
     batch_size: int = 8
     seed: int = 0
+    judge_source: str = ""
+    judge_prompt: str = JUDGE_PROMPT
 
 
 def _put(x: np.ndarray, mesh: Any):
@@ -89,25 +93,58 @@ def sample(model, tokenizer, messages: list, settings: Settings, mesh, *, greedy
     return out
 
 
+def judge_messages(examples, completions, num_samples: int, prompt: str) -> list:
+    """The judge's chat for each completion: one user message, ``prompt`` filled in.
+
+    Args:
+      examples: [B] task examples (their last user message is the question, ``answer`` the
+        reference); completions: [B * num_samples] texts grouped by prompt.
+      prompt: template with ``{question}``, ``{reference}`` and ``{completion}``.
+    """
+    messages = []
+    for i, text in enumerate(completions):
+        ex = examples[i // num_samples]
+        question = next(m["content"] for m in reversed(ex["messages"]) if m["role"] == "user")
+        content = prompt.format(question=question, reference=ex.get("answer"), completion=text)
+        messages.append([{"role": "user", "content": content}])
+    return messages
+
+
 def judge(judge_model, judge_tokenizer, examples, completions, settings, mesh, prompt=None):
     """bool per completion: the judge's greedy reply (4 tokens) starts with the word "yes".
 
     Args:
       judge_model / judge_tokenizer: any ``load_model`` model (an instruct model).
-      examples: [B] task examples (their last user message is the question, ``answer`` the
-        reference); completions: [B * num_samples] texts grouped by prompt.
-      prompt: template with ``{question}``, ``{reference}`` and ``{completion}``.
+      examples / completions: as for ``judge_messages``.
+      prompt: the template; None = ``settings.judge_prompt`` (the config's ``eval.judge_prompt``).
     """
-    prompt = prompt or JUDGE_PROMPT
-    n = settings.num_samples
-    messages = []
-    for i, text in enumerate(completions):
-        ex = examples[i // n]
-        question = next(m["content"] for m in reversed(ex["messages"]) if m["role"] == "user")
-        content = prompt.format(question=question, reference=ex.get("answer"), completion=text)
-        messages.append([{"role": "user", "content": content}])
+    prompt = prompt or settings.judge_prompt
+    messages = judge_messages(examples, completions, settings.num_samples, prompt)
     replies = sample(judge_model, judge_tokenizer, messages, settings, mesh, greedy=True)
     return [judge_says_yes(r) for r in replies["texts"]]
+
+
+@dataclasses.dataclass
+class Judge:
+    """``settings.judge_source`` loaded once; called as ``judge(examples, completions)`` it gives
+    a yes/no verdict per completion, asked with ``settings.judge_prompt``."""
+
+    model: Any
+    tokenizer: Any
+    settings: Settings
+    mesh: Any
+
+    def __call__(self, examples: list, completions: list[str]) -> list[bool]:
+        return judge(self.model, self.tokenizer, examples, completions, self.settings, self.mesh)
+
+
+def make_judge(cfg: Any, settings: Settings, mesh: Any) -> Judge:
+    """The judge of ``settings`` (built like the policy: ``cfg.model``'s dtypes, no LoRA)."""
+    from jaxgrpo.train import build_model
+
+    spec = dataclasses.replace(cfg.model, source=settings.judge_source, lora_rank=0)
+    model, tokenizer = build_model(spec, cfg.seed, mesh)
+    return Judge(model, tokenizer, settings, mesh)
 
 
 def judge_says_yes(reply: str) -> bool:

@@ -2,7 +2,8 @@
 
     python -m jaxgrpo.evaluate --config gsm8k_hard.py --checkpoint runs/gsm8k_hard \\
         [--checkpoint runs/other ...] [--base] [--model SOURCE] [--split test] \\
-        [--num_samples 8] [--max_examples N] [--tasks jeebench] [--judge SOURCE] [--out FILE]
+        [--num_samples 8] [--max_examples N] [--tasks jeebench] [--judge SOURCE] [--out FILE] \\
+        [--config.eval.judge_prompt="..."]
 
 Each run (a ``--checkpoint`` run directory, or the untrained model with ``--base`` or when no
 checkpoint is given) samples ``num_samples`` completions per held-out prompt with the seed
@@ -10,6 +11,15 @@ study's settings (512 new tokens, temperature 0.6, top-p 0.95, its prompt from t
 is scored by ``jaxgrpo.eval_metrics``: strict and lenient accuracy, format rate, pass@k for every
 k <= n, mean@n, lengths split by correctness, truncation and doom-loop rates. An optional judge
 (any ``load_model`` source) answers yes/no, greedily, whether a completion reaches the reference.
+
+The sampling settings and the judge come from the config's ``eval`` section (``num_samples``,
+``max_new_tokens``, ``temperature``, ``top_p``, ``batch_size``, ``judge_source``,
+``judge_prompt``; defaults in ``configs/base.py``). ``--config.eval.KEY=VALUE`` sets one like any
+other config key; the flags ``--num_samples``, ``--max_new_tokens``, ``--temperature``,
+``--top_p``, ``--batch_size``, ``--judge`` (= ``judge_source``) and ``--judge_prompt`` override
+both. Every value is validated with the rest of the config: an unknown key or a bad value fails
+naming the key. With several run directories and no ``--config``, the last one's
+``config.json`` gives the ``eval`` section.
 
 Output: a JSON file with every figure and per-sample record, the same table as Markdown next
 to it (``.md``), and the table printed: one row per run, the seed study's columns (task x
@@ -33,17 +43,32 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxgrpo import eval_metrics
-from jaxgrpo.eval_sampling import JUDGE_PROMPT, Settings, judge, judge_says_yes, sample
+from jaxgrpo.eval_sampling import (
+    JUDGE_PROMPT,
+    Judge,
+    Settings,
+    judge,
+    judge_messages,
+    judge_says_yes,
+    make_judge,
+    sample,
+)
 
 __all__ = [
+    "EVAL_FLAGS",
     "JUDGE_PROMPT",
+    "Judge",
     "Settings",
+    "eval_settings",
     "evaluate_examples",
     "evaluate_runs",
     "judge",
+    "judge_messages",
     "judge_says_yes",
     "load_policy",
     "main",
+    "make_judge",
+    "parse_args",
     "restore_params",
     "run_config",
     "sample",
@@ -70,7 +95,10 @@ def _assign(node: Any, values: dict[str, Any]) -> None:
 def run_config(config: str | None, run_dir: str | None, overrides: dict[str, Any]):
     """The ``TrainConfig`` of a run: ``config`` (file or shipped name) if given, else the run
     directory's ``config.json``; then ``overrides`` (dotted keys)."""
+    from ml_collections import ConfigDict
+
     from jaxgrpo import config as config_lib
+    from jaxgrpo.config_checks import unknown_key_error
     from jaxgrpo.configs import base
 
     if config:
@@ -82,12 +110,20 @@ def run_config(config: str | None, run_dir: str | None, overrides: dict[str, Any
         raise config_lib.ConfigError(f"no --config given and no {path}; pass --config")
     cfg = base.get_config()
     _assign(cfg, json.loads(path.read_text()))
-    for key, value in overrides.items():
-        node, _, leaf = key.rpartition(".")
+    cfg.lock()
+    for key, value in overrides.items():  # as load_config applies them, errors naming the key
+        *path, leaf = key.split(".")
         parent = cfg
-        for part in filter(None, node.split(".")):
+        for part in path:
+            if part not in parent or not isinstance(parent[part], ConfigDict):
+                raise unknown_key_error(key, parent, part)
             parent = parent[part]
-        parent[leaf] = value
+        if leaf not in parent:
+            raise unknown_key_error(key, parent, leaf)
+        try:
+            parent[leaf] = value
+        except TypeError as e:
+            raise config_lib.ConfigError(f"config key {key!r}: {e}") from None
     return config_lib.to_train_config(cfg)
 
 
@@ -206,8 +242,20 @@ def evaluate_examples(model, tokenizer, examples, settings, mesh, judge_fn=None)
     return eval_metrics.summarize(records, settings.num_samples), records
 
 
-def evaluate_runs(args: argparse.Namespace, settings: Settings) -> dict[str, Any]:
-    """Every run of the command line on every task: ``{label: {"tasks": {...}, ...}}``."""
+def eval_settings(cfg: Any, args: argparse.Namespace) -> Settings:
+    """The ``Settings`` of a command line: the config's ``eval`` section (flags already applied
+    to it as overrides) plus the split, the example cap and the sampling seed."""
+    return Settings(
+        split=args.split,
+        max_examples=args.max_examples,
+        seed=args.seed,
+        **dataclasses.asdict(cfg.eval),
+    )
+
+
+def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:
+    """Every run of the command line on every task: (``{label: {"tasks": {...}, ...}}``, the
+    settings used)."""
     import jax
 
     from jaxgrpo import config as config_lib
@@ -223,7 +271,8 @@ def evaluate_runs(args: argparse.Namespace, settings: Settings) -> dict[str, Any
         process_id=cfg0.mesh.process_id if cfg0.mesh.process_id >= 0 else None,
     )
     mesh = sharding.make_mesh(config_lib.resolve_mesh_shape(cfg0, jax.device_count()))
-    judge_fn = _make_judge(args, cfg0, settings, mesh) if args.judge else None
+    settings = eval_settings(cfg0, args)
+    judge_fn = make_judge(cfg0, settings, mesh) if settings.judge_source else None
     tasks = [(None, args.data)] + [_task_spec(t) for t in args.tasks or []]
     results: dict[str, Any] = {}
     models: dict = {}
@@ -238,7 +287,7 @@ def evaluate_runs(args: argparse.Namespace, settings: Settings) -> dict[str, Any
             )
             entry["tasks"][task_name] = {"summary": summary, "records": records}
         results[_unique(label, results)] = entry
-    return results
+    return results, settings
 
 
 def _unique(label: str, taken: dict) -> str:
@@ -252,17 +301,6 @@ def _task_spec(text: str) -> tuple[str, str | None]:
     """``name`` or ``name:source`` (e.g. ``jeebench:fixture``)."""
     name, _, source = text.partition(":")
     return name, source or None
-
-
-def _make_judge(args, cfg, settings, mesh):
-    from jaxgrpo.train import build_model
-
-    spec = dataclasses.replace(cfg.model, source=args.judge, lora_rank=0)
-    judge_model, judge_tok = build_model(spec, cfg.seed, mesh)
-    prompt = args.judge_prompt or JUDGE_PROMPT
-    return lambda examples, texts: judge(
-        judge_model, judge_tok, examples, texts, settings, mesh, prompt
-    )
 
 
 def write(results: dict[str, Any], settings: Settings, path: str) -> str:
@@ -293,8 +331,21 @@ def _override(text: str) -> tuple[str, Any]:
         return key, value
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Settings]:
-    """(arguments, sampling settings); ``--config.a.b=v`` go to ``args.overrides``."""
+# Flags that set a key of the config's ``eval`` section (flag name -> key).
+EVAL_FLAGS = {
+    "num_samples": "num_samples",
+    "max_new_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "batch_size": "batch_size",
+    "judge": "judge_source",
+    "judge_prompt": "judge_prompt",
+}
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The arguments; ``args.overrides`` holds (dotted key, value) pairs: ``--config.a.b=v`` in
+    order, then the ``EVAL_FLAGS`` given (so a flag wins over ``--config.eval.*``)."""
     d = Settings()
     p = argparse.ArgumentParser(
         prog="python -m jaxgrpo.evaluate", description=__doc__.split("\n")[0]
@@ -304,26 +355,26 @@ def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, Settings]:
     p.add_argument("--base", action="store_true", help="also evaluate the untrained model")
     p.add_argument("--model", help="model source replacing the config's model.source")
     p.add_argument("--split", default=d.split, choices=("test", "train"))
-    p.add_argument("--num_samples", type=int, default=d.num_samples)
-    p.add_argument("--max_new_tokens", type=int, default=d.max_new_tokens)
-    p.add_argument("--temperature", type=float, default=d.temperature)
-    p.add_argument("--top_p", type=float, default=d.top_p)
+    p.add_argument("--num_samples", type=int, help="completions per prompt (eval.num_samples)")
+    p.add_argument("--max_new_tokens", type=int, help="eval.max_new_tokens")
+    p.add_argument("--temperature", type=float, help="eval.temperature")
+    p.add_argument("--top_p", type=float, help="eval.top_p")
     p.add_argument("--max_examples", type=int, help="evaluate at most N prompts per task")
-    p.add_argument("--batch_size", type=int, default=d.batch_size, help="prompts per batch")
-    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--batch_size", type=int, help="prompts per batch (eval.batch_size)")
+    p.add_argument("--seed", type=int, default=d.seed, help="sampling seed")
     p.add_argument("--data", help="the task's data source (file, hub id or 'fixture')")
     p.add_argument("--tasks", nargs="*", help="more tasks, NAME or NAME:SOURCE (jeebench)")
-    p.add_argument("--judge", help="judge model source (yes/no per completion)")
-    p.add_argument("--judge_prompt", help="judge prompt with {question} {reference} {completion}")
+    p.add_argument("--judge", help="judge model source, yes/no per completion (eval.judge_source)")
+    p.add_argument("--judge_prompt", help="{question} {reference} {completion} (eval.judge_prompt)")
     p.add_argument("--out", help="JSON output (default RUN_DIR/eval_SPLIT.json or eval.json)")
     args, rest = p.parse_known_args(argv)
     bad = [a for a in rest if not a.startswith("--config.")]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
     args.overrides = [_override(a) for a in rest]
-    fields = {f.name for f in dataclasses.fields(Settings)}
-    settings = Settings(**{k: v for k, v in vars(args).items() if k in fields})
-    return args, settings
+    flags = [(f"eval.{key}", getattr(args, flag)) for flag, key in EVAL_FLAGS.items()]
+    args.overrides += [(k, v) for k, v in flags if v is not None]
+    return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -332,9 +383,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from jaxgrpo.config import ConfigError
 
-    args, settings = parse_args(list(sys.argv[1:] if argv is None else argv))
+    args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
-        results = evaluate_runs(args, settings)
+        results, settings = evaluate_runs(args)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -60,6 +60,13 @@ BAD_OVERRIDES = [
     ({"rewards.functions": (("bleu", {"kind": "linear", "end_step": 0}),)}, "rewards.functions"),
     ({"rewards.reward_on_error": "ignore"}, "rewards.reward_on_error"),
     ({"checkpoint.keep": 0}, "checkpoint.keep"),
+    ({"eval.num_samples": 0}, "eval.num_samples"),
+    ({"eval.batch_size": 0}, "eval.batch_size"),
+    ({"eval.temperature": -0.1}, "eval.temperature"),
+    ({"eval.top_p": 1.5}, "eval.top_p"),
+    ({"eval.judge_prompt": "Is {question} answered?"}, "eval.judge_prompt"),  # no {completion}
+    ({"eval.judge_prompt": "{completion} {solution}"}, "eval.judge_prompt"),  # unknown field
+    ({"eval.judge_prompt": "{completion"}, "eval.judge_prompt"),  # unmatched brace
 ]
 
 
@@ -87,6 +94,19 @@ def test_unknown_keys_and_wrong_types_in_a_config_file():
         load_config("tiny", {"sampling.top_q": 0.9})
     with pytest.raises(ConfigError, match="'rl.beta'"):
         load_config("tiny", {"rl.beta": "high"})
+    with pytest.raises(ConfigError, match=r"key 'eval.judge_sorce' \(did you mean 'judge_source'"):
+        load_config("tiny", {"eval.judge_sorce": "tiny"})
+    with pytest.raises(ConfigError, match="'eval.num_samples'"):
+        load_config("tiny", {"eval.num_samples": 2.5})
+
+
+def test_eval_section_defaults_are_the_seed_study_settings():
+    from jaxgrpo.eval_sampling import JUDGE_PROMPT
+
+    ev = load_config("gsm8k_hard", {"eval.judge_prompt": "{question}? {completion}"}).eval
+    assert (ev.num_samples, ev.max_new_tokens, ev.temperature, ev.top_p) == (8, 512, 0.6, 0.95)
+    assert ev.judge_source == "" and ev.judge_prompt == "{question}? {completion}"
+    assert load_config("tiny").eval.judge_prompt == JUDGE_PROMPT
 
 
 def test_mesh_fits_devices():

@@ -1,5 +1,6 @@
 """``python -m jaxgrpo.evaluate`` end to end: a tiny run's checkpoint against its base model,
-the config.json round trip, the CLI's defaults, and SmolLM2 on the GSM8K fixture (slow)."""
+the config.json round trip, the config's ``eval`` section and the flags over it, the judge prompt
+from the config, and SmolLM2 on the GSM8K fixture (slow)."""
 
 import json
 import os
@@ -13,13 +14,41 @@ from jaxgrpo import config as config_lib
 from jaxgrpo import evaluate
 
 
+def settings_of(argv, run_dir=None):
+    """(config, settings) the way ``evaluate_runs`` builds them from a command line."""
+    args = evaluate.parse_args(argv)
+    cfg = evaluate.run_config(args.config, run_dir, dict(args.overrides))
+    return cfg, evaluate.eval_settings(cfg, args)
+
+
 def test_cli_defaults_are_the_seed_study_settings():
-    args, settings = evaluate.parse_args(["--config", "gsm8k_hard", "--config.rl.beta=0.0"])
+    args = evaluate.parse_args(["--config", "gsm8k_hard", "--config.rl.beta=0.0"])
+    assert args.overrides == [("rl.beta", 0.0)]
+    _, settings = settings_of(["--config", "gsm8k_hard", "--config.rl.beta=0.0"])
     assert (settings.max_new_tokens, settings.temperature, settings.top_p) == (512, 0.6, 0.95)
     assert settings.num_samples == 8 and settings.split == "test"
-    assert args.overrides == [("rl.beta", 0.0)]
+    assert settings.judge_source == "" and settings.judge_prompt == evaluate.JUDGE_PROMPT
     with pytest.raises(SystemExit):
         evaluate.parse_args(["--bogus"])
+
+
+def test_flags_override_the_config_eval_section():
+    argv = ["--config", "tiny", "--config.eval.num_samples=4", "--config.eval.top_p=0.5"]
+    _, settings = settings_of(argv)
+    assert (settings.num_samples, settings.top_p, settings.temperature) == (4, 0.5, 0.6)
+    _, settings = settings_of([*argv, "--num_samples", "2", "--judge", "tiny"])
+    assert (settings.num_samples, settings.top_p, settings.judge_source) == (2, 0.5, "tiny")
+    bad = [
+        ("--config.eval.judge_promt=x", r"unknown config key 'eval.judge_promt' \(did you mean"),
+        ("--config.eval.num_samples='many'", "config key 'eval.num_samples'"),
+        ("--config.eval.judge_prompt=no placeholder", "config key 'eval.judge_prompt'.*completion"),
+        ("--config.eval.judge_prompt={completion} {answer}", r"'eval.judge_prompt'.*\['answer'\]"),
+        ("--top_p=0", "config key 'eval.top_p'"),
+    ]
+    for arg, match in bad:
+        with pytest.raises(config_lib.ConfigError, match=match):
+            settings_of(["--config", "tiny", arg])
+    assert evaluate.main(["--config", "tiny", "--num_samples", "0"]) == 2
 
 
 def test_run_config_round_trips_config_json(tmp_path):
@@ -27,6 +56,10 @@ def test_run_config_round_trips_config_json(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
     again = evaluate.run_config(None, str(tmp_path), {"rl.beta": 0.0})
     assert again.to_dict() == {**cfg.to_dict(), "rl": {**cfg.to_dict()["rl"], "beta": 0.0}}
+    with pytest.raises(config_lib.ConfigError, match="unknown config key 'eval.bogus'"):
+        evaluate.run_config(None, str(tmp_path), {"eval.bogus": 1})
+    with pytest.raises(config_lib.ConfigError, match="config key 'eval.top_p'"):
+        evaluate.run_config(None, str(tmp_path), {"eval.top_p": "high"})
     with pytest.raises(config_lib.ConfigError, match="pass --config"):
         evaluate.run_config(None, str(tmp_path / "nowhere"), {})
 
@@ -90,6 +123,45 @@ def test_checkpoint_params_are_restored_into_the_model(tiny_run):
     )
 
 
+class RecordingTokenizer:
+    """The real tokenizer, keeping the text of every prompt row it encodes (decoded back from
+    the ids, i.e. what the model is given)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.prompts = tokenizer, []
+
+    def encode_chat(self, messages, **kwargs):
+        ids, mask = self.tokenizer.encode_chat(messages, **kwargs)
+        for row, keep in zip(np.asarray(ids), np.asarray(mask), strict=True):
+            self.prompts.append(self.tokenizer.decode(row[keep > 0]))
+        return ids, mask
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_config_judge_prompt_reaches_the_judge(tiny_run):
+    """``--config.eval.judge_prompt`` (on a run directory's config.json) is the text the judge
+    model is prompted with, filled in per completion; the verdicts of a random model are not
+    checked."""
+    run_dir, _, (_, _, mesh) = tiny_run
+    prompt = "JUDGE-TEST q={question} ref={reference} sol={completion} ok?"
+    argv = ["--checkpoint", run_dir, f"--config.eval.judge_prompt={prompt}"]
+    argv += ["--config.eval.judge_source=tiny", "--num_samples", "2", "--batch_size", "2"]
+    cfg, settings = settings_of(argv, run_dir)
+    assert settings.judge_prompt == prompt and settings.judge_source == "tiny"
+    judge = evaluate.make_judge(cfg, settings, mesh)
+    judge.tokenizer = RecordingTokenizer(judge.tokenizer)
+    examples = [{"messages": [{"role": "user", "content": "Copy this integer: 7"}], "answer": "7"}]
+    verdicts = judge(examples, ["<answer>7</answer>", "8"])
+    assert len(verdicts) == 2 and all(isinstance(v, bool) for v in verdicts)
+    seen = judge.tokenizer.prompts
+    assert len(seen) == 2, seen
+    assert "JUDGE-TEST q=Copy this integer: 7 ref=7 sol=<answer>7</answer> ok?" in seen[0]
+    assert "JUDGE-TEST q=Copy this integer: 7 ref=7 sol=8 ok?" in seen[1]
+    assert "Does the student's solution" not in seen[0]  # the default prompt was replaced
+
+
 def test_evaluate_checkpoint_and_base_side_by_side(tiny_run, tmp_path):
     run_dir, _, _ = tiny_run
     out = tmp_path / "eval.json"
@@ -100,7 +172,7 @@ def test_evaluate_checkpoint_and_base_side_by_side(tiny_run, tmp_path):
     label = os.path.basename(run_dir)
     assert list(data["runs"]) == ["base", label]
     assert data["runs"][label]["step"] == 3 and data["runs"]["base"]["step"] == 0
-    assert data["settings"]["num_samples"] == 3
+    assert data["settings"]["num_samples"] == 3 and data["settings"]["judge_source"] == "tiny"
     for run in data["runs"].values():
         (task,) = run["tasks"].values()
         summary, records = task["summary"], task["records"]

@@ -6,6 +6,8 @@ keys exist and their types) is this file: ``jaxgrpo.config.validate`` rejects an
 
 from ml_collections import ConfigDict
 
+from jaxgrpo.eval_sampling import JUDGE_PROMPT
+
 
 def _model() -> ConfigDict:
     c = ConfigDict()
@@ -118,6 +120,18 @@ def _logging() -> ConfigDict:
     return c
 
 
+def _eval() -> ConfigDict:
+    c = ConfigDict()
+    c.num_samples = 8  # completions per held-out prompt (pass@k for every k <= num_samples)
+    c.max_new_tokens = 512  # completion length at evaluation (the seed study's 512)
+    c.temperature = 0.6  # sampling temperature at evaluation; 0 = greedy (then use 1 sample)
+    c.top_p = 0.95  # nucleus sampling mass at evaluation; 1.0 = off
+    c.batch_size = 8  # prompts per generate call (fixed shape: compiles once)
+    c.judge_source = ""  # judge model (any load_model source, e.g. an HF dir); "" = no judge
+    c.judge_prompt = JUDGE_PROMPT  # judge's user message: {question}, {reference}, {completion}
+    return c
+
+
 def get_config() -> ConfigDict:
     """Returns the full default config (every field present)."""
     c = ConfigDict()
@@ -134,4 +148,5 @@ def get_config() -> ConfigDict:
     c.mesh = _mesh()  # device mesh and hosts
     c.checkpoint = _checkpoint()  # orbax checkpoints
     c.logging = _logging()  # metrics, samples, progress
+    c.eval = _eval()  # python -m jaxgrpo.evaluate defaults (its flags override them)
     return c
