@@ -12,42 +12,12 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 from flax import nnx  # noqa: E402
+from tiny_hf import ARCHS  # noqa: E402
 
 from jaxgrpo.models.config import ModelConfig  # noqa: E402
 from jaxgrpo.models.transformer import Transformer  # noqa: E402
 from jaxgrpo.models.weights import load_hf_tensors  # noqa: E402
 from jaxgrpo.sampling import StopReason, generate  # noqa: E402
-
-SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    # Larger than HF's default 0.02 so random logits are peaked enough that float32 rounding
-    # differences between torch and XLA cannot flip an argmax.
-    initializer_range=0.3,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-
-ARCHS = {
-    "llama": lambda: transformers.LlamaConfig(
-        **SHAPE,
-        rope_scaling=dict(
-            rope_type="llama3",
-            factor=8.0,
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position_embeddings=32,
-        ),
-    ),
-    "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
-    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16),
-}
 
 
 def _prompts(lengths, p, vocab, seed=0):

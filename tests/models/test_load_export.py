@@ -18,6 +18,8 @@ from flax import nnx
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tiny_hf import ARCHS as TINY_HF_ARCHS  # noqa: E402
+
 from jaxgrpo.models import SafetensorsFiles, load_model  # noqa: E402
 from jaxgrpo.models.export import export_hf, export_peft, save_safetensors  # noqa: E402
 
@@ -25,34 +27,11 @@ CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-SHAPE = dict(
-    vocab_size=320,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    # A float32-exact epsilon survives GGUF's float32 metadata, so GGUF- and directory-loaded
-    # models share one ModelConfig and one compiled forward.
-    rms_norm_eps=2.0**-20,
-    initializer_range=0.3,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-)
-LLAMA3_ROPE = dict(
-    rope_type="llama3",
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=32,
-)
-ARCHS = {
-    "llama": lambda: transformers.LlamaConfig(**SHAPE, rope_scaling=LLAMA3_ROPE),
-    "qwen2": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
-    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16),
-}
+# The shared tiny configs with a vocabulary the tokenizer below fills (320), and a float32-exact
+# epsilon that survives GGUF's float32 metadata, so GGUF- and directory-loaded models share one
+# ModelConfig and one compiled forward.
+VARIANT = dict(vocab_size=320, rms_norm_eps=2.0**-20)
+ARCHS = {arch: functools.partial(build, **VARIANT) for arch, build in TINY_HF_ARCHS.items()}
 LORA = {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "o", "up", "down"]}
 TEXTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a b c", "hi"]
 

@@ -19,39 +19,31 @@ from jaxgrpo.models.weights import hf_tensors, load_hf_tensors
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-5,
-)
+from tiny_hf import LLAMA3_ROPE, llama_config, qwen2_config, qwen3_config  # noqa: E402
+
+# This file's variations on the shared tiny configs: HF's default initializer range (small
+# logits, which the absolute 1e-4 tolerances below were set for), a narrower MLP, llama3 rope
+# with theta 5e5 and an original context of 8 (rescaled bands inside the 12-token batch), and a
+# Qwen3 head_dim (32) that differs from D / heads.
+VARIANT = dict(intermediate_size=96, rms_norm_eps=1e-5, initializer_range=0.02)
 ARCHS = {
     "llama": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        dict(
+        lambda: llama_config(
+            **VARIANT,
             rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8,
-            },
+            rope_scaling={**LLAMA3_ROPE, "original_max_position_embeddings": 8},
         ),
+        "LlamaForCausalLM",
     ),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True)),
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(head_dim=32)),
+    "qwen2": (lambda: qwen2_config(**VARIANT), "Qwen2ForCausalLM"),
+    "qwen3": (lambda: qwen3_config(**VARIANT, head_dim=32), "Qwen3ForCausalLM"),
 }
 
 
 def _build(arch):
     """A random tiny HF model (norms, biases perturbed off init) and ours loaded from it."""
-    conf_cls, model_cls, extra = ARCHS[arch]
-    hf_cfg = getattr(transformers, conf_cls)(**COMMON, **extra)
+    make_config, model_cls = ARCHS[arch]
+    hf_cfg = make_config()
     torch.manual_seed(0)
     tm = getattr(transformers, model_cls)(hf_cfg).eval()
     with torch.no_grad():
