@@ -66,6 +66,7 @@ __all__ = [
     "judge_messages",
     "judge_says_yes",
     "load_policy",
+    "config_override",
     "main",
     "make_judge",
     "parse_args",
@@ -322,7 +323,7 @@ def write(results: dict[str, Any], settings: Settings, path: str) -> str:
 # Command line.
 
 
-def _override(text: str) -> tuple[str, Any]:
+def config_override(text: str) -> tuple[str, Any]:
     """``--config.a.b=v`` -> ("a.b", v) with v a Python literal when it parses as one."""
     key, _, value = text.removeprefix("--config.").partition("=")
     try:
@@ -371,7 +372,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     bad = [a for a in rest if not a.startswith("--config.")]
     if bad:
         p.error(f"unrecognized arguments: {' '.join(bad)}")
-    args.overrides = [_override(a) for a in rest]
+    args.overrides = [config_override(a) for a in rest]
     flags = [(f"eval.{key}", getattr(args, flag)) for flag, key in EVAL_FLAGS.items()]
     args.overrides += [(k, v) for k, v in flags if v is not None]
     return args

@@ -122,6 +122,32 @@ class RunShape:
     grad_accum: int = 1
     beta: float = 0.0
 
+    def with_grad_accum(self, grad_accum: int) -> RunShape:
+        """The same run with ``grad_accum`` micro-batches per update (minibatches kept)."""
+        minibatches = self.micro_batches // self.grad_accum
+        return dataclasses.replace(
+            self, micro_batches=minibatches * grad_accum, grad_accum=grad_accum
+        )
+
+
+def fitting_grad_accum(run: RunShape, mesh: dict[str, int]) -> int:
+    """The largest ``grad_accum`` <= the run's whose micro-batch splits over the mesh.
+
+    A micro-batch of ``prompts * group / (num_minibatches * grad_accum)`` sequences must be a
+    multiple of ``data * fsdp`` (``jaxgrpo.config`` rejects the run otherwise), so a slice
+    with more data-parallel devices needs fewer, larger micro-batches: more activation memory.
+
+    Returns:
+      That ``grad_accum``, or 0 when even 1 does not split (fewer sequences than devices).
+    """
+    batch, shards = run.prompts * run.group, mesh["data"] * mesh["fsdp"]
+    minibatches = run.micro_batches // run.grad_accum
+    for g in range(run.grad_accum, 0, -1):
+        split = minibatches * g
+        if batch % split == 0 and (batch // split) % shards == 0:
+            return g
+    return 0
+
 
 def estimate(
     cfg: ModelConfig, run: RunShape, mesh: dict[str, int] | None = None
@@ -245,13 +271,33 @@ def _gib(x: float) -> str:
 
 
 def report(cfg: ModelConfig, run: RunShape, preset: str | None) -> str:
-    """A Markdown table of ``estimate`` for one run (on a preset's mesh, or one device)."""
+    """A Markdown table of ``estimate`` for one run (on a preset's mesh, or one device).
+
+    On a preset whose data x fsdp does not divide the run's micro-batch, the estimate is for
+    the largest ``grad_accum`` that does (``fitting_grad_accum``), and the report says so.
+    """
     p = get_preset(preset) if preset else None
+    note = ""
+    if p:
+        shards = p.mesh["data"] * p.mesh["fsdp"]
+        g = fitting_grad_accum(run, p.mesh)
+        if g == 0:
+            return (
+                f"{p.name}: a batch of {run.prompts * run.group} sequences cannot split over "
+                f"data x fsdp = {shards} devices; raise rl.prompts_per_step or rl.group_size"
+            )
+        if g != run.grad_accum:
+            note = (
+                f"rl.grad_accum={run.grad_accum} gives micro-batches that do not split over "
+                f"data x fsdp = {shards} devices: estimated with --config.rl.grad_accum={g}\n\n"
+            )
+            run = run.with_grad_accum(g)
     est = estimate(cfg, run, p.mesh if p else None)
     where = f"{p.name} mesh {p.mesh}" if p else "one device"
     lines = [
-        f"Memory per device, {where}: {base_param_count(cfg) / 1e9:.3f} B base parameters, "
-        f"{lora_param_count(cfg) / 1e6:.2f} M LoRA parameters",
+        f"{note}Memory per device, {where}: {base_param_count(cfg) / 1e9:.3f} B base "
+        f"parameters, {lora_param_count(cfg) / 1e6:.2f} M LoRA parameters, grad_accum "
+        f"{run.grad_accum}",
         "",
         "| part | GiB |",
         "|---|---:|",
@@ -266,10 +312,13 @@ def report(cfg: ModelConfig, run: RunShape, preset: str | None) -> str:
 def fit_table(run: RunShape, presets: Sequence[str], lora_rank: int = 16) -> str:
     """Markdown: GiB per device of each known model (LoRA and full FT) on each preset.
 
-    A cell is ``total GiB`` with a check mark when it fits in 90% of the device memory.
+    A cell is ``total GiB`` with a check mark when it fits in 90% of the device memory. A
+    preset whose data x fsdp does not divide the run's micro-batch is estimated with its
+    ``fitting_grad_accum`` (named under the table; "-" when no grad_accum splits).
     """
     from jaxgrpo.models.config import LoRAConfig
 
+    runs = {p: run.with_grad_accum(fitting_grad_accum(run, PRESETS[p].mesh)) for p in presets}
     header = "| model | params | tuning | " + " | ".join(presets) + " |"
     lines = [header, "|---|---:|---|" + "---:|" * len(presets)]
     for name, fields in KNOWN_MODELS.items():
@@ -279,11 +328,21 @@ def fit_table(run: RunShape, presets: Sequence[str], lora_rank: int = 16) -> str
             cells = []
             for preset in presets:
                 p = PRESETS[preset]
-                total = estimate(cfg, run, p.mesh)["total"]
+                if runs[preset].grad_accum == 0:
+                    cells.append("-")
+                    continue
+                total = estimate(cfg, runs[preset], p.mesh)["total"]
                 mark = "✓" if total <= 0.9 * p.hbm_bytes else "✗"
                 cells.append(f"{total / GIB:.1f} {mark}")
             count = f"{base_param_count(cfg) / 1e9:.2f} B"
             lines.append(f"| {name} | {count} | {tuning} | " + " | ".join(cells) + " |")
+    changed = [p for p in presets if runs[p].grad_accum != run.grad_accum]
+    if changed:
+        notes = ", ".join(f"{p} grad_accum={runs[p].grad_accum}" for p in changed)
+        lines.append(
+            f"\nMicro-batches must split over data x fsdp: {notes} (instead of "
+            f"{run.grad_accum}; '-' = no grad_accum splits)."
+        )
     return "\n".join(lines)
 
 
@@ -291,26 +350,33 @@ TABLE_PRESETS = ("v5e-8", "v6e-8", "v5p-8", "v5e-64", "v5p-128")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI: ``--config X [--preset P] [--model M] [--prompt_len P]`` or ``--table``."""
+    """CLI: ``--config X [--preset P] [--model M] [--prompt_len P] [--config.a.b=v ...]`` or
+    ``--table``."""
     parser = argparse.ArgumentParser(prog="python -m jaxgrpo.memory", description=__doc__)
     parser.add_argument("--config", help="config file or shipped name")
     parser.add_argument("--preset", help=f"slice: {', '.join(PRESETS)}")
     parser.add_argument("--model", help="model source or known name instead of model.source")
     parser.add_argument("--prompt_len", type=int, default=256, help="prompt bucket length P")
     parser.add_argument("--table", action="store_true", help="models x slices fit table")
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
     from jaxgrpo import config as config_lib
+    from jaxgrpo.evaluate import config_override
 
+    overrides = dict(config_override(a) for a in rest)
     try:
         if args.table:
             name = args.config or "gsm8k_hard"
-            _, run = from_train_config(config_lib.load_config(name), args.prompt_len, "tiny")
+            cfg = config_lib.load_config(name, overrides)
+            _, run = from_train_config(cfg, args.prompt_len, "tiny")
             print(f"GiB per device (bf16, remat, {name}: {run}); ✓ = fits in 90% of HBM\n")
             print(fit_table(run, TABLE_PRESETS))
             return 0
         if not args.config:
             parser.error("--config (or --table) is required")
-        cfg = config_lib.load_config(args.config)
+        cfg = config_lib.load_config(args.config, overrides)
         model_cfg, run = from_train_config(cfg, args.prompt_len, args.model)
         print(report(model_cfg, run, args.preset))
     except (ValueError, KeyError) as e:

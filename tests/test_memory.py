@@ -157,3 +157,49 @@ def test_cli_report_and_table(capsys):
     assert "| Llama-3.1-8B | 8.03 B | LoRA |" in table
     assert memory.main(["--config", "gsm8k_hard", "--model", "gpt-17"]) == 2
     assert "unknown model source" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset", memory.TABLE_PRESETS)
+def test_fitting_grad_accum_is_what_the_config_check_accepts(preset):
+    """gsm8k_hard (16 x 8 sequences, grad_accum 4) on each table slice: the estimator's
+    grad_accum passes the config's mesh check and the next larger one (up to 4) fails it."""
+    from jaxgrpo import config as config_lib
+    from jaxgrpo.presets import PRESETS
+
+    p = PRESETS[preset]
+    cfg = config_lib.load_config("gsm8k_hard")
+    _, run = memory.from_train_config(cfg, 256, "tiny")
+    g = memory.fitting_grad_accum(run, p.mesh)
+    assert 1 <= g <= 4
+    mesh = {f"mesh.{axis}": size for axis, size in p.mesh.items()}
+    ok = config_lib.load_config("gsm8k_hard", {**mesh, "rl.grad_accum": g})
+    config_lib.resolve_mesh_shape(ok, p.devices)
+    for larger in range(g + 1, 5):
+        with pytest.raises(config_lib.ConfigError, match="rl.grad_accum|rl.prompts_per_step"):
+            bad = config_lib.load_config("gsm8k_hard", {**mesh, "rl.grad_accum": larger})
+            config_lib.resolve_mesh_shape(bad, p.devices)
+    assert memory.fitting_grad_accum(memory.RunShape(2, 2, 8, 8), p.mesh) == (p.devices <= 4)
+
+
+def test_cli_names_the_grad_accum_a_slice_needs(capsys):
+    assert memory.main(["--config", "gsm8k_hard", "--preset", "v5e-64"]) == 0
+    out = capsys.readouterr().out
+    assert "estimated with --config.rl.grad_accum=2" in out and "grad_accum 2" in out
+    argv = ["--config", "gsm8k_hard", "--preset", "v5e-64", "--config.rl.grad_accum=2"]
+    assert memory.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "estimated with" not in out and "grad_accum 2" in out
+    assert memory.main(["--table"]) == 0
+    assert "v5e-64 grad_accum=2, v5p-128 grad_accum=2" in capsys.readouterr().out
+
+
+def test_launch_readme_fit_table_is_current(capsys):
+    """launch/README.md's "What fits where" table is what ``--table`` prints now."""
+    import os
+
+    assert memory.main(["--table"]) == 0
+    printed = capsys.readouterr().out.strip()
+    path = os.path.join(os.path.dirname(__file__), "..", "launch", "README.md")
+    with open(path, encoding="utf-8") as f:
+        readme = f.read()
+    assert printed in readme, "rerun python -m jaxgrpo.memory --table into launch/README.md"
