@@ -7,6 +7,7 @@ that learned "closing tags earn reward" repeats them until the length limit.
 
 from __future__ import annotations
 
+import difflib
 import re
 
 from jaxgrpo.rewards.math import completion_text
@@ -93,20 +94,27 @@ def _number_re(number: str) -> re.Pattern:
     return re.compile(r"(?<![\d.\-])" + re.escape(number) + r"(?!\d|\.\d)")
 
 
-def _copy_score(text: str, number: str) -> float:
+def _copy_score(text: str, number: str, similarity: float = 0.0) -> float:
     text = text.strip()
-    if text == f"{_OPEN}{number}{_CLOSE}":
+    target = f"{_OPEN}{number}{_CLOSE}"
+    if text == target:
         return 1.0
     pattern = _number_re(number)
     content = single_answer(text)
     appears = pattern.search(text) is not None
     tagged = content is not None
     inside = tagged and pattern.search(content) is not None
-    return 0.25 * (appears + tagged + inside)
+    level = 0.25 * (appears + tagged + inside)
+    if not similarity:
+        return level
+    # Character-level match with the exact answer: dense credit for "<x>N</x>"-like wrappings
+    # and for stopping early, which the four levels score the same as the bare number.
+    ratio = difflib.SequenceMatcher(None, text[: 4 * len(target)], target, autojunk=False).ratio()
+    return (1.0 - similarity) * level + similarity * ratio
 
 
 def format_copy(
-    prompts: list[str], completions: list[str], *, answer: list, **_
+    prompts: list[str], completions: list[str], *, answer: list, similarity: float = 0.0, **_
 ) -> list[float | None]:
     """Partial-credit reward of the ``format_copy`` task ("Copy this integer exactly: N").
 
@@ -122,12 +130,23 @@ def format_copy(
 
     Repeated or nested tags are not "well-formed", so the doom loop caps at 0.25. A missing
     reference scores None.
+
+    ``similarity`` = s in [0, 1) mixes in a dense shaping term for every non-exact completion:
+    ``(1 - s) * level + s * ratio``, where ``ratio`` in [0, 1] is difflib's character match
+    ratio between the stripped completion (its first ``4 * len(target)`` characters) and
+    ``<answer>N</answer>``. A policy that answers with the bare number (level 0.25, ratio ~0.25)
+    then earns less than one that wraps it in some tag, e.g. ``<integer>N</integer>`` (ratio
+    ~0.67), so the bare number is not a plateau; the exact form still alone scores 1.0 (ratio and
+    level are both < 1 otherwise).
     """
     del prompts
+    if not 0.0 <= similarity < 1.0:
+        raise ValueError(f"format_copy similarity={similarity} is not in [0, 1)")
     rewards: list[float | None] = []
     for completion, number in zip(completions, answer, strict=True):
         if number is None or not str(number).strip():
             rewards.append(None)
         else:
-            rewards.append(_copy_score(completion_text(completion), str(number).strip()))
+            text = completion_text(completion)
+            rewards.append(_copy_score(text, str(number).strip(), similarity))
     return rewards
