@@ -202,8 +202,31 @@ def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, mask_BTS: Array) -> Arra
         k_BSKH.astype(q_BTNH.dtype),
         preferred_element_type=jnp.float32,
     ) * (1.0 / math.sqrt(h))
-    mask = mask_BTS[:, None, None, :, :]
-    scores = jnp.where(mask, scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1).astype(q_BTNH.dtype)
+    probs = _masked_softmax(scores, mask_BTS).astype(q_BTNH.dtype)
     out = jnp.einsum("BKMTS,BSKH->BTKMH", probs, v_BSKH.astype(q_BTNH.dtype))
     return out.reshape(b, t, n, h)
+
+
+def attend_bksh(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, mask_BTS: Array) -> Array:
+    """`attend` with keys and values stored heads-first ([B, K, S, H], the decode cache).
+
+    The batch dimensions of both dots (B, K) then lead, so XLA reads the cache in place.
+    """
+    b, t, n, h = q_BTNH.shape
+    k = k_BKSH.shape[1]
+    q_BKMTH = q_BTNH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
+    scores = jnp.einsum(
+        "BKMTH,BKSH->BKMTS",
+        q_BKMTH,
+        k_BKSH.astype(q_BTNH.dtype),
+        preferred_element_type=jnp.float32,
+    ) * (1.0 / math.sqrt(h))
+    probs = _masked_softmax(scores, mask_BTS).astype(q_BTNH.dtype)
+    out_BKMTH = jnp.einsum("BKMTS,BKSH->BKMTH", probs, v_BKSH.astype(q_BTNH.dtype))
+    return out_BKMTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+
+
+def _masked_softmax(scores_BKMTS: Array, mask_BTS: Array) -> Array:
+    """float32 softmax over key slots, with masked slots at a large negative score."""
+    scores_BKMTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKMTS, _MASK_VALUE)
+    return jax.nn.softmax(scores_BKMTS, axis=-1)

@@ -7,9 +7,15 @@ per-layer code ordinary module code.
 
 The KV cache is carried whole through the scan and updated with `dynamic_update_slice` at
 (layer, slot), which XLA performs in place: a decode step never copies the cache.
+
+The sampler's one-token steps take another path (`decode_layers` + `LayerKVCache`, see
+`jaxgrpo.models.decode`): separate per-layer weights and cache buffers, laid out for the
+decode matmuls; prefill, training and scoring use the scan.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +23,8 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.models.kv_cache import KVCache
+from jaxgrpo.models.decode import DecodeLayer, decode_layer, decode_layer_from_block
+from jaxgrpo.models.kv_cache import KVCache, LayerKVCache
 from jaxgrpo.models.layers import (
     Einsum,
     RMSNorm,
@@ -27,6 +34,7 @@ from jaxgrpo.models.layers import (
     rope_inv_freq,
 )
 from jaxgrpo.models.lora import LoRA
+from jaxgrpo.models.lora import merge as merge_lora
 from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
 
@@ -245,8 +253,9 @@ class Transformer(nnx.Module):
         input_ids_BT: Array,
         attention_mask_BT: Array | None = None,
         positions_BT: Array | None = None,
-        cache: KVCache | None = None,
-    ) -> tuple[Array, KVCache | None]:
+        cache: KVCache | LayerKVCache | None = None,
+        layers: Sequence[DecodeLayer] | None = None,
+    ) -> tuple[Array, KVCache | LayerKVCache | None]:
         """Final-normed hidden states, and the updated cache.
 
         Args:
@@ -256,6 +265,8 @@ class Transformer(nnx.Module):
                 `next_pos`), clipped at 0.
             cache: None for a plain forward; otherwise the T new keys are written at slots
                 [cache.index, cache.index + T) and attention covers the whole cache.
+            layers: the decode path: `decode_layers()`, run one after the other instead of
+                scanning the stacked weights, on a `LayerKVCache`.
 
         Returns:
             (h_BTD in the compute dtype, new cache or None).
@@ -282,10 +293,13 @@ class Transformer(nnx.Module):
         causal_TS = jnp.arange(s)[None, :] <= q_pos_T[:, None]
         mask_BTS = key_mask_BS[:, None, :] & causal_TS[None, :, :]
 
-        x_BTD, kv = self._run_layers(x_BTD, cos, sin, mask_BTS, cache)
+        if layers is not None:
+            x_BTD, kv = self._run_decode_layers(layers, x_BTD, cos, sin, mask_BTS, cache)
+        else:
+            x_BTD, kv = self._run_layers(x_BTD, cos, sin, mask_BTS, cache)
         h_BTD = self.final_norm(x_BTD)
         if cache is not None:
-            cache = KVCache(
+            cache = type(cache)(
                 k=kv[0],
                 v=kv[1],
                 mask=key_mask_BS,
@@ -293,6 +307,33 @@ class Transformer(nnx.Module):
                 index=cache.index + t,
             )
         return h_BTD, cache
+
+    def decode_layers(self) -> list[DecodeLayer]:
+        """The L layers as separate `DecodeLayer`s: sliced, adapters folded in, [out, in].
+
+        Called once per `generate` call, outside the decode loop, so the loop's steps read
+        every weight in place (see `jaxgrpo.models.decode`). The model is not modified.
+        """
+        graphdef, state = nnx.split(self.layers)
+        dtype = jnp.dtype(self.cfg.dtype)
+        layers = []
+        for i in range(self.cfg.num_layers):
+            block = merge_lora(nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state)))
+            layers.append(decode_layer_from_block(block, self.cfg.rms_norm_eps, dtype))
+        return layers
+
+    def _run_decode_layers(self, layers, x_BTD, cos, sin, mask_BTS, cache):
+        """The decode path of `hidden`: an unrolled loop over `DecodeLayer`s."""
+        if not isinstance(cache, LayerKVCache):
+            raise TypeError("hidden(layers=...) decodes into a LayerKVCache")
+        ks, vs = [], []
+        for w, k, v in zip(layers, cache.k, cache.v, strict=True):
+            x_BTD, (k, v) = decode_layer(
+                w, x_BTD, cos, sin, mask_BTS, (k, v), cache.index, self.shard_ctx
+            )
+            ks.append(k)
+            vs.append(v)
+        return x_BTD, (tuple(ks), tuple(vs))
 
     def _run_layers(self, x_BTD, cos, sin, mask_BTS, cache: KVCache | None):
         """Scans the stacked Block over L; carries x and (if decoding) the whole cache."""

@@ -1,7 +1,8 @@
 """``generate``: the sampling loop of ``loop.py`` wired to a ``Transformer`` and its ``KVCache``.
 
 Two programs are compiled per shape bucket (B, P, T) and static settings: ``prefill`` (the
-prompts once, cache repeated to G rows, token 0) and ``decode`` (the ``while_loop``, its state
+prompts once through the scanned layers, cache split per layer and repeated to G rows, token 0)
+and ``decode`` (the per-layer decode weights prepared once, then the ``while_loop``, its state
 donated so the cache is updated in place). Both take the model state as a pure pytree; the
 ``graphdef`` is closed over (never passed as data) and the jitted pair is cached per
 (graphdef, model config, static settings), so a second call with the same shapes compiles
@@ -16,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
 from jaxgrpo.sampling.loop import Knobs, LoopConfig, SamplingState, decode, prefill
 from jaxgrpo.types import Array, PyTree
 
@@ -44,13 +46,32 @@ class SampleOutput:
     steps: Array
 
 
-def _step_fn(graphdef: nnx.GraphDef):
-    """``(states, ids_BT, mask_BT, cache) -> (last logits_BV, cache)`` for the loop."""
+def _prefill_step_fn(graphdef: nnx.GraphDef):
+    """``(states, ids_BP, mask_BP, cache) -> (last logits_BV, LayerKVCache)``: the prompts.
+
+    The prompt pass scans the stacked layers into a ``KVCache`` (one pass, compiled once per
+    layer), then splits it into the per-layer buffers the decode steps update.
+    """
 
     def step_fn(states, ids_BT, mask_BT, cache):
         model = nnx.merge(graphdef, *states)
         h_BTD, cache = model.hidden(ids_BT, attention_mask_BT=mask_BT, cache=cache)
         # Only the last position is needed: never build [B, P, V] logits for the prompt.
+        return model.logits(h_BTD[:, -1:, :])[:, 0, :], LayerKVCache.from_stacked(cache)
+
+    return step_fn
+
+
+def _decode_step_fn(model: nnx.Module):
+    """``(_, ids_N1, mask_N1, cache) -> (logits_NV, cache)``: one token through unrolled layers.
+
+    The per-layer weights (LoRA folded in) are sliced here, before the ``while_loop``, so each
+    step reads them in place; the unused first argument is the loop's ``params`` slot.
+    """
+    layers = model.decode_layers()
+
+    def step_fn(_, ids_BT, mask_BT, cache):
+        h_BTD, cache = model.hidden(ids_BT, attention_mask_BT=mask_BT, cache=cache, layers=layers)
         return model.logits(h_BTD[:, -1:, :])[:, 0, :], cache
 
     return step_fn
@@ -64,17 +85,16 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
     ``decode(states, state, knobs) -> SamplingState`` (``state`` donated); public so that
     benchmarks can time the two programs separately.
     """
-    from jaxgrpo.models.kv_cache import init_cache
-
-    step_fn = _step_fn(graphdef)
 
     def prefill_fn(states, ids_BP, mask_BP, knobs, rng) -> SamplingState:
         batch, prompt_len = ids_BP.shape
         cache = init_cache(model_cfg, batch, prompt_len + cfg.max_new_tokens, cache_dtype)
+        step_fn = _prefill_step_fn(graphdef)
         return prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
 
     def decode_fn(states, state, knobs) -> SamplingState:
-        return decode(step_fn, states, state, knobs, cfg)
+        step_fn = _decode_step_fn(nnx.merge(graphdef, *states))
+        return decode(step_fn, None, state, knobs, cfg)
 
     return jax.jit(prefill_fn), jax.jit(decode_fn, donate_argnums=1)
 

@@ -2,6 +2,7 @@
 cache against the full forward, weight round trips and error messages, remat and compile time.
 """
 
+import dataclasses
 import functools
 import time
 
@@ -11,8 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.models.kv_cache import init_cache
+from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
 from jaxgrpo.models.transformer import Transformer, random_transformer
 from jaxgrpo.models.weights import hf_tensors, load_hf_tensors
 
@@ -121,6 +122,46 @@ def test_cached_decoding_equals_full_forward(pair, batch):
     # Row b of the prompt batch becomes rows 2b and 2b+1 of the grouped batch.
     expected = np.repeat(full[:, 10], 2, axis=0)
     np.testing.assert_allclose(np.asarray(grouped), expected, rtol=1e-5, atol=1e-5)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
+def _decode_paths(model, ids, mask, prefill_len):
+    """Last-position logits of each 1-token step after a prefill: scanned stacked layers on a
+    `KVCache`, and the decode path (`decode_layers`, adapters merged) on a `LayerKVCache`."""
+    b, t = ids.shape
+    cache = init_cache(model.cfg, b, t)
+    _, cache = model.hidden(ids[:, :prefill_len], mask[:, :prefill_len], cache=cache)
+    layer_cache, layers = LayerKVCache.from_stacked(cache).repeat(2), model.decode_layers()
+    cache = cache.repeat(2)
+    scanned, unrolled = [], []
+    for i in range(prefill_len, t):
+        step_ids = jnp.repeat(ids[:, i : i + 1], 2, axis=0)
+        one = jnp.ones_like(step_ids)
+        h, cache = model.hidden(step_ids, one, cache=cache)
+        scanned.append(model.logits(h)[:, 0])
+        h, layer_cache = model.hidden(step_ids, one, cache=layer_cache, layers=layers)
+        unrolled.append(model.logits(h)[:, 0])
+    return jnp.stack(scanned, 1), jnp.stack(unrolled, 1), layer_cache
+
+
+def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch):
+    """The sampler's decode path (per-layer [out, in] weights with LoRA folded in, per-layer
+    [B, K, S, H] cache) gives the scanned model's logits, adapters unmerged (1e-5)."""
+    _, base, _ = pair
+    cfg = dataclasses.replace(base.cfg, lora=LoRAConfig(rank=4, alpha=8.0))
+    model = random_transformer(cfg, seed=3, std=0.1)
+    lora = nnx.state(model, nnx.LoRAParam)
+    rng = np.random.default_rng(0)
+    nnx.update(
+        model, jax.tree.map(lambda x: jnp.asarray(rng.normal(0, 0.1, x.shape), x.dtype), lora)
+    )
+    ids, mask = batch
+    scanned, unrolled, layer_cache = _decode_paths(model, ids, mask, 8)
+    assert float(jnp.max(jnp.abs(scanned))) > 0.1
+    np.testing.assert_allclose(np.asarray(unrolled), np.asarray(scanned), rtol=1e-5, atol=1e-5)
+    assert len(layer_cache.k) == cfg.num_layers
+    assert layer_cache.k[0].shape == (2 * ids.shape[0], cfg.num_kv_heads, 12, cfg.head_dim)
+    assert int(layer_cache.index) == 12
 
 
 def test_hf_tensors_round_trip(pair):

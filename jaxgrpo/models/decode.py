@@ -1,0 +1,161 @@
+"""The decode-step layers: per-layer weights laid out for one-token matmuls.
+
+A decode step multiplies a few rows ([B, 1, D]) by every weight of the model, so its time is
+those matmuls and nothing else should add to it. What the training layout costs there, measured
+on SmolLM2-135M at B=32 on the 2-core CPU (`python benchmarks/generate.py`, profiled per op):
+
+* The scanned decoder reads layer i out of the stacked [L, ...] weights: a copy of every weight
+  at every step. Here each layer's weights are separate arrays, prepared once per `generate`
+  call, before the decode loop.
+* XLA:CPU's dot runs `x @ W.T` with W stored as a 2-D [out, in] matrix about 30% faster than
+  `x @ W` with W [in, out] at these shapes (92 against 122 ms of projections per step). With
+  more than one output dimension (e.g. [N, H, D]) it re-lays the weight out at every step, so
+  every kernel here is a plain matrix. Preparing them (2-D transposes) costs about 0.25 s per
+  call, a few ms per decode step.
+* LoRA adds two small matmuls per projection; here the adapters are folded into the kernels.
+
+`DecodeLayer` is built from a `Block` (`decode_layer_from_block`) and run by `decode_layer`; it
+computes what `Block.__call__` computes (the tests compare greedy decoding with transformers and
+the sampled log-probs with a full forward pass), with keys and values in the per-layer
+[B, K, S, H] buffers of a `LayerKVCache`.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from jaxgrpo.models.layers import apply_rope, attend_bksh, rms_norm
+from jaxgrpo.sharding import ShardingCtx, shard_act
+from jaxgrpo.types import Array
+
+_HEAD_AXES = ("act_batch", "act_length", "act_heads", "act_head_dim")
+_KV_AXES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
+
+
+@flax.struct.dataclass
+class DecodeLayer:
+    """One layer's weights as 2-D [out, in] matrices in the compute dtype.
+
+    Attributes:
+        attn_norm / mlp_norm: RMSNorm scales [D].
+        q: [N*H, D]; k and v: [K*H, D]; o: [D, N*H].
+        q_bias: [N*H]; k_bias, v_bias: [K*H]; o_bias: [D]; each None when absent.
+        q_norm / k_norm: Qwen3 per-head RMSNorm scales [H], or None.
+        gate_up: [2*F, D], the gate's F rows then the up projection's.
+        down: [D, F].
+        eps: RMSNorm epsilon (static).
+    """
+
+    attn_norm: Array
+    q: Array
+    k: Array
+    v: Array
+    o: Array
+    mlp_norm: Array
+    gate_up: Array
+    down: Array
+    q_bias: Array | None = None
+    k_bias: Array | None = None
+    v_bias: Array | None = None
+    o_bias: Array | None = None
+    q_norm: Array | None = None
+    k_norm: Array | None = None
+    eps: float = flax.struct.field(pytree_node=False, default=1e-6)
+
+
+def _matrix(kernel: Array, n_in: int, dtype) -> Array:
+    """A kernel [*in, *out] as the matrix [prod(out), prod(in)] (one 2-D transpose)."""
+    in_size = 1
+    for d in kernel.shape[:n_in]:
+        in_size *= d
+    return kernel.reshape(in_size, -1).T.astype(dtype)
+
+
+def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
+    """The weights of one unstacked `Block` (adapters already merged) in decode layout."""
+    attn, mlp = block.attn, block.mlp
+    bias = lambda e: None if e.bias is None else e.bias[...].reshape(-1).astype(dtype)  # noqa: E731
+    norm = lambda n: None if n is None else n.scale[...]  # noqa: E731
+    return DecodeLayer(
+        attn_norm=block.attn_norm.scale[...],
+        q=_matrix(attn.q.kernel[...], 1, dtype),
+        k=_matrix(attn.k.kernel[...], 1, dtype),
+        v=_matrix(attn.v.kernel[...], 1, dtype),
+        o=_matrix(attn.o.kernel[...], 2, dtype),
+        mlp_norm=block.mlp_norm.scale[...],
+        gate_up=_matrix(mlp.gate_up.kernel[...], 1, dtype),  # [D, 2, F] -> [2F, D]
+        down=_matrix(mlp.down.kernel[...], 1, dtype),
+        q_bias=bias(attn.q),
+        k_bias=bias(attn.k),
+        v_bias=bias(attn.v),
+        o_bias=bias(attn.o),
+        q_norm=norm(attn.q_norm),
+        k_norm=norm(attn.k_norm),
+        eps=eps,
+    )
+
+
+def _project(x_BTI: Array, w_OI: Array, b_O: Array | None) -> Array:
+    """`x @ w.T (+ b)`: [B, T, I] -> [B, T, O]."""
+    y_BTO = jnp.einsum("BTI,OI->BTO", x_BTI, w_OI)
+    return y_BTO if b_O is None else y_BTO + b_O.reshape(1, 1, -1)
+
+
+def decode_layer(
+    w: DecodeLayer,
+    x_BTD: Array,
+    cos: Array,
+    sin: Array,
+    mask_BTS: Array,
+    kv: tuple[Array, Array],
+    index: Array,
+    ctx: ShardingCtx | None = None,
+) -> tuple[Array, tuple[Array, Array]]:
+    """`Block.__call__` on decode-layout weights and this layer's [B, K, S, H] cache buffers.
+
+    Args:
+        w: the layer's weights.
+        x_BTD: residual stream (compute dtype).
+        cos / sin: RoPE tables [B, T, 1, H/2].
+        mask_BTS: True where query t may attend key slot s.
+        kv: this layer's (k, v) buffers, each [B, K, S, H]; the T new keys and values are
+            written at slots [index, index + T).
+        index: int32 scalar, the first slot to write.
+        ctx: activation sharding context.
+
+    Returns:
+        (new residual stream, updated (k, v)).
+    """
+    dtype = x_BTD.dtype
+    b, t, _ = x_BTD.shape
+    h = cos.shape[-1] * 2
+    h_BTD = rms_norm(x_BTD, w.attn_norm, w.eps)
+    q_BTNH = _project(h_BTD, w.q, w.q_bias).reshape(b, t, -1, h)
+    k_BTKH = _project(h_BTD, w.k, w.k_bias).reshape(b, t, -1, h)
+    v_BTKH = _project(h_BTD, w.v, w.v_bias).reshape(b, t, -1, h)
+    if w.q_norm is not None:
+        q_BTNH, k_BTKH = rms_norm(q_BTNH, w.q_norm, w.eps), rms_norm(k_BTKH, w.k_norm, w.eps)
+    q_BTNH = shard_act(apply_rope(q_BTNH, cos, sin), _HEAD_AXES, ctx)
+    k_BTKH = shard_act(apply_rope(k_BTKH, cos, sin), _KV_AXES, ctx)
+    v_BTKH = shard_act(v_BTKH, _KV_AXES, ctx)
+
+    k_BKSH, v_BKSH = kv
+    start = (0, 0, index, 0)
+    k_BKSH = jax.lax.dynamic_update_slice(
+        k_BKSH, k_BTKH.transpose(0, 2, 1, 3).astype(k_BKSH.dtype), start
+    )
+    v_BKSH = jax.lax.dynamic_update_slice(
+        v_BKSH, v_BTKH.transpose(0, 2, 1, 3).astype(v_BKSH.dtype), start
+    )
+    attn_BTNH = attend_bksh(q_BTNH, k_BKSH, v_BKSH, mask_BTS)
+    x_BTD = x_BTD + _project(attn_BTNH.reshape(b, t, -1), w.o, w.o_bias).astype(dtype)
+
+    h_BTD = rms_norm(x_BTD, w.mlp_norm, w.eps)
+    gate_up_BT2F = _project(h_BTD, w.gate_up, None)
+    f = gate_up_BT2F.shape[-1] // 2
+    act_BTF = jax.nn.silu(gate_up_BT2F[..., :f]) * gate_up_BT2F[..., f:]
+    act_BTF = shard_act(act_BTF, ("act_batch", "act_length", "act_mlp"), ctx)
+    x_BTD = x_BTD + _project(act_BTF, w.down, None).astype(dtype)
+    return shard_act(x_BTD, ("act_batch", "act_length", "act_embed"), ctx), (k_BKSH, v_BKSH)
