@@ -28,6 +28,7 @@ from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.models.weights import load_hf_tensors
+from jaxgrpo.runtime import use_cpu_xla_flags
 from jaxgrpo.sampling import generate
 
 CHATS = [
@@ -155,6 +156,7 @@ def run_hf(hf, ids, mask, g: int, t: int, repeats: int) -> tuple[float, float]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    use_cpu_xla_flags()  # the XLA:CPU flags the CLIs run with (jaxgrpo.runtime)
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b"])
     parser.add_argument("--samples", type=int, default=8, help="G per prompt (4 prompts)")
     parser.add_argument("--new-tokens", type=int, default=128)

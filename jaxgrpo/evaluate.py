@@ -380,6 +380,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: evaluate, write the JSON and Markdown (process 0), print the table."""
+    from jaxgrpo.runtime import use_cpu_xla_flags
+
+    use_cpu_xla_flags()
     import jax
 
     from jaxgrpo.config import ConfigError

@@ -6,6 +6,9 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+from jaxgrpo.runtime import use_cpu_xla_flags  # noqa: E402  (imports no jax)
+
+use_cpu_xla_flags()  # the flags the CLIs run with
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

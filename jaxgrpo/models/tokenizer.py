@@ -151,12 +151,18 @@ def hf_tokenizer_from_gguf_metadata(meta: Callable):
     )
 
 
-def bucket_length(n: int, min_bucket: int = 16, max_length: int | None = None) -> int:
+def bucket_length(
+    n: int, min_bucket: int = 16, max_length: int | None = None, half_octaves: bool = False
+) -> int:
     """The padded length for ``n`` tokens: the next power of two, at least ``min_bucket``.
 
+    With ``half_octaves`` the buckets are 2^k and 3 * 2^(k-1) (64, 96, 128, 192, ...): at most
+    a third of a row is padding instead of half, for twice as many shapes to compile.
     Capped at ``max_length`` when given (``n`` must then fit).
     """
     bucket = max(min_bucket, 1 << max(n - 1, 0).bit_length())
+    if half_octaves and bucket > min_bucket and 3 * bucket // 4 >= max(n, min_bucket):
+        bucket = 3 * bucket // 4
     return bucket if max_length is None else min(bucket, max_length)
 
 

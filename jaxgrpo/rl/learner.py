@@ -94,6 +94,7 @@ class Learner:
             tis_cap=self.rl.tis_cap,
             use_old_logp=self.old_from != "none",
             use_ref_logp=self.needs_ref and not self.rl.kl_in_reward,
+            max_completion_length=cfg.sampling.max_new_tokens,
         )
         self._temperature = self._make_temperature()
         self._build_programs()
@@ -248,7 +249,7 @@ class Learner:
         sp = self.cfg.sampling
         with timer("sampling"):
             messages = [ex["messages"] for ex in examples]
-            ids, mask = tok.encode_chat(messages)
+            ids, mask = ro.trim_prompts(*tok.encode_chat(messages))
             out = generate_from_state(
                 self.graphdef,
                 (state.params, self.frozen),
@@ -314,11 +315,14 @@ class Learner:
     def _prepare(self, state: TrainState, r: ro.Rollout) -> tuple[ro.RolloutBatch, dict]:
         """Reference/old log-probs, KL-in-reward, advantages, loss mask -> the device batch."""
         put = lambda x: ro.put_global(x, self.mesh)  # noqa: E731
+        t = ro.completion_bucket(r.lengths, r.tokens.shape[1])
         truncated = r.stop_reason == step_metrics.LENGTH
         loss_mask = r.mask * (~truncated[:, None]) if self.rl.mask_truncated else r.mask
-        inputs = (put(r.prompt_ids), put(r.prompt_mask), put(r.tokens), put(r.mask), put(r.temps))
-        zeros = np.zeros(r.tokens.shape, np.float32)
-        sampler_logp = put(r.logprobs.astype(np.float32))
+        loss_mask = loss_mask[:, :t]
+        tokens, mask, temps = r.tokens[:, :t], r.mask[:, :t], r.temps[:, :t]
+        inputs = (put(r.prompt_ids), put(r.prompt_mask), put(tokens), put(mask), put(temps))
+        zeros = np.zeros(tokens.shape, np.float32)
+        sampler_logp = put(r.logprobs[:, :t].astype(np.float32))
         ref_logp = old_logp = put(zeros)
         if self.needs_ref:
             ref_logp = self._logprobs(state.ref_params, self.frozen, *inputs)[0]
@@ -329,8 +333,8 @@ class Learner:
         rewards = r.rewards
         extra: dict[str, Any] = {}
         if self.needs_ref and self.rl.kl_in_reward:
-            behaviour = ro.to_host(old_logp) if self.old_from == "forward" else r.logprobs
-            kl_NT = np.where(r.mask > 0, behaviour - ro.to_host(ref_logp), 0.0)
+            behaviour = ro.to_host(old_logp) if self.old_from == "forward" else r.logprobs[:, :t]
+            kl_NT = np.where(mask > 0, behaviour - ro.to_host(ref_logp), 0.0)
             extra["kl_in_reward"] = kl_NT.sum(-1)
             rewards = rewards - self.rl.beta * extra["kl_in_reward"]
         adv, adv_metrics = step_metrics.advantages(rewards, self.rl.group_size, self.rl.adv_scale)

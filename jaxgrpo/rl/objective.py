@@ -42,6 +42,8 @@ class ObjectiveSpec:
         use_old_logp: take behaviour log-probs from the batch (several updates per rollout).
         use_ref_logp: add the KL term against the batch's reference log-probs.
         chunk_size: positions per logits block.
+        max_completion_length: the constant that dr_grpo divides by (the sampler's
+            max_new_tokens; the batch itself may be trimmed to its longest completion).
     """
 
     group_size: int
@@ -55,6 +57,7 @@ class ObjectiveSpec:
     use_old_logp: bool
     use_ref_logp: bool
     chunk_size: int = 64
+    max_completion_length: int | None = None
 
 
 def group_rows(idx_M: Array, group_size: int) -> Array:
@@ -118,7 +121,7 @@ def make_loss_fn(
             eps_high=spec.eps_high,
             beta=spec.beta,
             kl_estimator=spec.kl_estimator,
-            max_completion_length=batch.tokens.shape[1],
+            max_completion_length=spec.max_completion_length or batch.tokens.shape[1],
             entropy_coef=spec.entropy_coef,
             entropy=entropy,
             is_weights=is_weights,

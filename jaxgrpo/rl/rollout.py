@@ -23,6 +23,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.rl import accuracy
 from jaxgrpo.types import Array
 
@@ -53,6 +54,28 @@ def to_host(x: Array) -> np.ndarray:
     if isinstance(x, np.ndarray) or x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def trim_prompts(ids_BP: np.ndarray, mask_BP: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drops leading all-padding columns of left-padded prompts, down to a half-octave bucket.
+
+    The tokenizer pads to powers of two (87 tokens -> 128); the sampler's prefill and
+    attention and both scoring passes then spend that padding on every step. A half-octave
+    bucket (96 here) keeps the number of compiled shapes small.
+    """
+    longest = int(mask_BP.sum(axis=1).max(initial=1))
+    keep = bucket_length(longest, min_bucket=16, half_octaves=True)
+    return (ids_BP, mask_BP) if keep >= ids_BP.shape[1] else (ids_BP[:, -keep:], mask_BP[:, -keep:])
+
+
+def completion_bucket(lengths_N: np.ndarray, max_new_tokens: int) -> int:
+    """Columns of the completions the scoring passes need: the longest one's power-of-two bucket.
+
+    Columns past every row's end are masked out of the loss, and a causal model's log-probs of
+    the earlier columns do not depend on them, so dropping them changes nothing but the time.
+    """
+    longest = int(np.max(lengths_N, initial=1))
+    return bucket_length(longest, min_bucket=8, max_length=max_new_tokens)
 
 
 @flax.struct.dataclass

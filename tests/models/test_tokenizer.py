@@ -43,6 +43,8 @@ def test_bucket_length():
     assert [bucket_length(n) for n in (0, 1, 16, 17, 33, 64, 65)] == [16, 16, 16, 32, 64, 64, 128]
     assert bucket_length(5, min_bucket=4) == 8
     assert bucket_length(100, max_length=96) == 96
+    half = [bucket_length(n, 16, half_octaves=True) for n in (1, 16, 17, 24, 25, 33, 87, 97)]
+    assert half == [16, 16, 24, 24, 32, 48, 96, 128]
 
 
 def test_encode_left_pads_to_bucket(tok):

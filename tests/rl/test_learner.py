@@ -255,3 +255,63 @@ def test_off_policy_options_step():
     ref, zeroed = jax.tree.leaves(state.ref_params), jax.tree.leaves(zero_lora(state.ref_params))
     diffs = [float(np.abs(to_host(a) - to_host(b)).max()) for a, b in zip(ref, zeroed, strict=True)]
     assert max(diffs) > 0
+
+
+def test_scoring_only_the_longest_completion_changes_nothing(monkeypatch):
+    """The update trims the completions to their longest row's power-of-two bucket; the
+    parameters after one update equal those of the untrimmed batch (dr_grpo still divides by
+    max_new_tokens, not by the trimmed width)."""
+    import jax.numpy as jnp
+
+    from jaxgrpo.rl import rollout as ro
+
+    t_max = 16
+    learner, _ = make_learner(
+        {"data": 1},
+        jax.devices()[:1],
+        **{"rl.loss_type": "dr_grpo", "sampling.max_new_tokens": t_max},
+    )
+    b, g = learner.rl.prompts_per_step, learner.rl.group_size
+    rng = np.random.default_rng(0)
+    rollout = _rollout(rng.normal(size=(b, g)), prompt_len=8)
+    lengths = rng.integers(1, 7, b * g).astype(np.int32)  # every row ends by column 6
+    cols = np.arange(t_max)[None, :]
+    mask = (cols < lengths[:, None]).astype(np.int32)
+    rollout.tokens = rng.integers(3, 200, (b * g, t_max)).astype(np.int32) * mask
+    rollout.mask, rollout.lengths = mask, lengths
+    rollout.logprobs = np.zeros((b * g, t_max), np.float32)
+    rollout.temps = np.ones((b * g, t_max), np.float32)
+    rollout.stop_reason = np.ones(b * g, np.int32)
+
+    def one_update(state):
+        batch, _ = learner._prepare(state, rollout)
+        k_shuffle = learner._advance(state.step, state.rng)[3]
+        state, _ = learner._optimize(state, batch, k_shuffle)
+        return batch.tokens.shape[1], host_params(state)
+
+    state0 = learner.init_state()
+    copy = lambda s: jax.tree.map(jnp.copy, s)  # noqa: E731  (the update donates its state)
+    width, trimmed = one_update(copy(state0))
+    monkeypatch.setattr(ro, "completion_bucket", lambda lengths, t: t)
+    full_width, full = one_update(copy(state0))
+    assert (width, full_width) == (8, t_max)
+    moved = max(float(np.abs(a - b).max()) for a, b in zip(full, host_params(state0), strict=True))
+    assert moved > 1e-4, "the update must move the parameters for the comparison to mean much"
+    for a, b in zip(trimmed, full, strict=True):
+        np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
+
+
+def test_prompt_trimming_keeps_every_prompt_token():
+    from jaxgrpo.rl import rollout as ro
+
+    ids = np.zeros((2, 128), np.int32)
+    mask = np.zeros((2, 128), np.int32)
+    mask[0, -87:], mask[1, -40:] = 1, 1
+    ids[mask > 0] = 7
+    short_ids, short_mask = ro.trim_prompts(ids, mask)
+    assert short_ids.shape == (2, 96)
+    assert short_mask.sum() == mask.sum() and (short_ids[short_mask > 0] == 7).all()
+    assert ro.trim_prompts(ids[1:, -64:], mask[1:, -64:])[0].shape == (1, 48)
+    assert ro.completion_bucket(np.array([3, 9, 1]), 32) == 16
+    assert ro.completion_bucket(np.array([3, 32, 1]), 32) == 32
+    assert ro.completion_bucket(np.array([2, 1]), 32) == 8
