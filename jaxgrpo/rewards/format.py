@@ -16,6 +16,7 @@ _OPEN, _CLOSE = "<answer>", "</answer>"
 _PAIR_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
 _EXTRA_CLOSE_COST = 0.1
 _MAX_EXTRA_CLOSE_COST = 0.5
+_MAX_SHAPED_CHARS = 4096  # format_copy's similarity term reads at most this much text
 
 
 def repeated_close_penalty(text: str, tags: tuple[str, ...] = (_CLOSE,)) -> float:
@@ -108,8 +109,10 @@ def _copy_score(text: str, number: str, similarity: float = 0.0) -> float:
     if not similarity:
         return level
     # Character-level match with the exact answer: dense credit for "<x>N</x>"-like wrappings
-    # and for stopping early, which the four levels score the same as the bare number.
-    ratio = difflib.SequenceMatcher(None, text[: 4 * len(target)], target, autojunk=False).ratio()
+    # and for stopping early, which the four levels score the same as the bare number. The whole
+    # text counts (up to a cost cap far above any completion length used here): with a short cap,
+    # rambling on after "</answer>" until truncation cost nothing, and the policy stopped stopping.
+    ratio = difflib.SequenceMatcher(None, text[:_MAX_SHAPED_CHARS], target, autojunk=False).ratio()
     return (1.0 - similarity) * level + similarity * ratio
 
 
@@ -133,11 +136,11 @@ def format_copy(
 
     ``similarity`` = s in [0, 1) mixes in a dense shaping term for every non-exact completion:
     ``(1 - s) * level + s * ratio``, where ``ratio`` in [0, 1] is difflib's character match
-    ratio between the stripped completion (its first ``4 * len(target)`` characters) and
-    ``<answer>N</answer>``. A policy that answers with the bare number (level 0.25, ratio ~0.25)
-    then earns less than one that wraps it in some tag, e.g. ``<integer>N</integer>`` (ratio
-    ~0.67), so the bare number is not a plateau; the exact form still alone scores 1.0 (ratio and
-    level are both < 1 otherwise).
+    ratio between the stripped completion (its first 4096 characters) and
+    ``<answer>N</answer>``; it falls with every extra character, so stopping early pays. A policy
+    that answers with the bare number (level 0.25, ratio ~0.25) then earns less than one that
+    wraps it in some tag, e.g. ``<integer>N</integer>`` (ratio ~0.67), so the bare number is not
+    a plateau; the exact form still alone scores 1.0 (ratio and level are both < 1 otherwise).
     """
     del prompts
     if not 0.0 <= similarity < 1.0:

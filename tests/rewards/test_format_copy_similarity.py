@@ -51,3 +51,11 @@ def test_property_shaped_reward_in_unit_range_and_one_only_for_exact(number, s, 
     edited = exact[:i] + ch + exact[i + 1 :] + data.draw(st.sampled_from(["", "\nok", "</answer>"]))
     if edited.strip() != exact:
         assert 0.0 <= _copy(edited, str(number), s) < 1.0, edited
+
+
+def test_rambling_after_the_answer_costs_more_the_longer_it_goes():
+    """Measured failure with a short similarity window: the policy wrote ``<answer>N</answer>``
+    then XML until truncation, never the end-of-turn. Each extra line must cost reward."""
+    lines = "\n<time>828</time>\n<value>828</value>\n<label>x</label>" * 3
+    scores = [_copy("<answer>828</answer>" + lines[:n]) for n in (0, 6, 30, 60, len(lines))]
+    assert scores == sorted(scores, reverse=True) and len(set(scores)) == len(scores), scores
