@@ -14,13 +14,17 @@ Why the recipe (sampled here, 8 prompts x 8 samples at temperature 1.0, base mod
   system prompt: 0/64 (useless); temperature 0.7 / 1.3 on the plain prompt: 0/64 tags.
 
 So (1) a train-only curriculum (``train_example_prob`` 1.0 decaying to 0 over the first 8
-steps): the example prompts are solved in ~3 steps and, measured, the policy then starts
-wrapping the number in tags on plain prompts too (``<integer>N</integer>``, ``<div>N</div>``);
-(2) the reward's ``similarity`` shaping (0.5), under which such wrappings outrank the bare
-number, so plain prompts move to ``<answer>N</answer>`` (by step ~12); (3) 32 new tokens, not 16:
-the last thing to learn is stopping right after ``</answer>``, and with 16 tokens every plain
-completion is truncated before the model ever emits end-of-turn, so the exact form is never
-sampled (measured: reward plateau ~0.8, 0 exact, all 32 completions truncated per step).
+steps): the example prompts are solved in ~3 steps and the policy then starts wrapping the
+number in tags on plain prompts too (``<integer>N</integer>``, ``<div>N</div>``); (2) the reward's
+``similarity`` shaping (0.5, whole completion), under which such wrappings outrank the bare
+number and every character after ``</answer>`` costs reward, so the policy learns to stop;
+(3) 32 new tokens: the base model stops within 32 tokens often enough that stopping right after
+``</answer>`` gets sampled. Without (2) (curriculum only, shared 2-core CPU, 13 steps): 0 exact on
+plain prompts, bare-number plateau 0.25. With a 16-token limit, or a similarity window capped
+at 4x the target: ``<answer>N</answer>`` + endless XML, every completion truncated, 0 exact
+(plateau ~0.8). With all three: plain-prompt training accuracy (temperature 1) 0/32 up to step
+8, 9/32 at step 10, 24/32 at 11, 25/32 at 12, 29/32 at 13, 91% of the batch at 14; ~20-35 s
+per step on the shared CPU.
 """
 
 from jaxgrpo.configs import base
@@ -29,7 +33,7 @@ from jaxgrpo.configs import base
 def get_config():
     c = base.get_config()
     c.run_dir = "runs/format_copy"
-    c.steps = 30
+    c.steps = 20
     c.model.source = "smollm2"
     c.model.lora_rank = 16
     c.model.lora_alpha = 32.0
@@ -48,5 +52,5 @@ def get_config():
     c.optim.warmup_steps = 2
     c.optim.schedule = "constant"
     c.checkpoint.every = 20
-    c.logging.samples_every = 1
+    c.logging.samples_every = 5
     return c
