@@ -5,6 +5,9 @@ left-padded batch of three rows. The tests assert the tolerance; this script rep
 Run: ``python benchmarks/parity_report.py``.
 """
 
+import os
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -14,26 +17,16 @@ from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.transformer import random_transformer
 from jaxgrpo.models.weights import load_hf_tensors
 
-SHAPE = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-LLAMA3_ROPE = dict(
-    rope_type="llama3",
-    factor=8.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=32,
-)
+# The tests' tiny configs (tests/tiny_hf.py), with HF's own initializer range and no special
+# token ids, so the figures stay comparable with earlier reports.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+from tiny_hf import llama_config, qwen2_config, qwen3_config  # noqa: E402
+
+_PLAIN = dict(initializer_range=0.02, pad_token_id=None, bos_token_id=None, eos_token_id=None)
 CONFIGS = {
-    "llama (llama3 rope)": lambda: transformers.LlamaConfig(**SHAPE, rope_scaling=LLAMA3_ROPE),
-    "qwen2 (tied, qkv bias)": lambda: transformers.Qwen2Config(**SHAPE, tie_word_embeddings=True),
-    "qwen3 (qk norm)": lambda: transformers.Qwen3Config(**SHAPE, head_dim=16),
+    "llama (llama3 rope)": lambda: llama_config(**_PLAIN),
+    "qwen2 (tied, qkv bias)": lambda: qwen2_config(**_PLAIN),
+    "qwen3 (qk norm)": lambda: qwen3_config(**_PLAIN),
 }
 
 
