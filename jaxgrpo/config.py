@@ -247,6 +247,23 @@ def load_config_dict(name: str) -> ConfigDict:
     return module.get_config(arg) if arg else module.get_config()
 
 
+def apply_overrides(cfg: ConfigDict, overrides: Mapping[str, Any]) -> None:
+    """Sets dotted keys (``{"rl.beta": 0.0}``) on a locked ConfigDict; errors name the key."""
+    for key, value in overrides.items():
+        node, _, leaf = key.rpartition(".")
+        parent = cfg
+        for part in filter(None, node.split(".")):
+            if part not in parent or not isinstance(parent[part], ConfigDict):
+                raise unknown_key_error(key, parent, part)
+            parent = parent[part]
+        if leaf not in parent:
+            raise unknown_key_error(key, parent, leaf)
+        try:
+            parent[leaf] = value
+        except TypeError as e:
+            raise ConfigError(f"config key {key!r}: {e}") from None
+
+
 def load_config(name: str, overrides: Mapping[str, Any] | None = None) -> TrainConfig:
     """Python API twin of the CLI: file (or shipped name) + dotted overrides -> ``TrainConfig``.
 
@@ -256,19 +273,7 @@ def load_config(name: str, overrides: Mapping[str, Any] | None = None) -> TrainC
     """
     cfg = load_config_dict(name)
     cfg.lock()
-    for key, value in (overrides or {}).items():
-        node, _, leaf = key.rpartition(".")
-        parent = cfg
-        for part in filter(None, node.split(".")):
-            if part not in parent:
-                raise unknown_key_error(key, parent, part)
-            parent = parent[part]
-        if leaf not in parent:
-            raise unknown_key_error(key, parent, leaf)
-        try:
-            parent[leaf] = value
-        except TypeError as e:
-            raise ConfigError(f"config key {key!r}: {e}") from None
+    apply_overrides(cfg, overrides or {})
     return to_train_config(cfg)
 
 

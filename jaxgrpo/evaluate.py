@@ -96,10 +96,7 @@ def _assign(node: Any, values: dict[str, Any]) -> None:
 def run_config(config: str | None, run_dir: str | None, overrides: dict[str, Any]):
     """The ``TrainConfig`` of a run: ``config`` (file or shipped name) if given, else the run
     directory's ``config.json``; then ``overrides`` (dotted keys)."""
-    from ml_collections import ConfigDict
-
     from jaxgrpo import config as config_lib
-    from jaxgrpo.config_checks import unknown_key_error
     from jaxgrpo.configs import base
 
     if config:
@@ -112,19 +109,7 @@ def run_config(config: str | None, run_dir: str | None, overrides: dict[str, Any
     cfg = base.get_config()
     _assign(cfg, json.loads(path.read_text()))
     cfg.lock()
-    for key, value in overrides.items():  # as load_config applies them, errors naming the key
-        *path, leaf = key.split(".")
-        parent = cfg
-        for part in path:
-            if part not in parent or not isinstance(parent[part], ConfigDict):
-                raise unknown_key_error(key, parent, part)
-            parent = parent[part]
-        if leaf not in parent:
-            raise unknown_key_error(key, parent, leaf)
-        try:
-            parent[leaf] = value
-        except TypeError as e:
-            raise config_lib.ConfigError(f"config key {key!r}: {e}") from None
+    config_lib.apply_overrides(cfg, overrides)
     return config_lib.to_train_config(cfg)
 
 
