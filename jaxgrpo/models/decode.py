@@ -22,6 +22,8 @@ the sampled log-probs with a full forward pass), with keys and values in the per
 
 from __future__ import annotations
 
+import math
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -67,10 +69,7 @@ class DecodeLayer:
 
 def _matrix(kernel: Array, n_in: int, dtype) -> Array:
     """A kernel [*in, *out] as the matrix [prod(out), prod(in)] (one 2-D transpose)."""
-    in_size = 1
-    for d in kernel.shape[:n_in]:
-        in_size *= d
-    return kernel.reshape(in_size, -1).T.astype(dtype)
+    return kernel.reshape(math.prod(kernel.shape[:n_in]), -1).T.astype(dtype)
 
 
 def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:

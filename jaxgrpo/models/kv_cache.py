@@ -95,10 +95,6 @@ class LayerKVCache:
     next_pos: Array
     index: Array
 
-    @property
-    def max_len(self) -> int:
-        return self.k[0].shape[2]
-
     @classmethod
     def from_stacked(cls, cache: KVCache) -> LayerKVCache:
         """Splits a (prefilled) `KVCache` into per-layer [B, K, S, H] buffers."""
