@@ -93,6 +93,7 @@ class RLConfig:
     num_minibatches: int
     grad_accum: int
     mask_truncated: bool
+    pack_completions: bool
     dynamic_sampling: bool
     dynamic_sampling_max_draws: int
     ref_reset_every: int

@@ -255,6 +255,7 @@ class Transformer(nnx.Module):
         positions_BT: Array | None = None,
         cache: KVCache | LayerKVCache | None = None,
         layers: Sequence[DecodeLayer] | None = None,
+        attention_BTS: Array | None = None,
     ) -> tuple[Array, KVCache | LayerKVCache | None]:
         """Final-normed hidden states, and the updated cache.
 
@@ -267,6 +268,9 @@ class Transformer(nnx.Module):
                 [cache.index, cache.index + T) and attention covers the whole cache.
             layers: the decode path: `decode_layers()`, run one after the other instead of
                 scanning the stacked weights, on a `LayerKVCache`.
+            attention_BTS: bool [B, T, S]: which key slots each query attends, replacing the
+                causal mask over valid slots (S = T, or the cache's size). For packed
+                sequences, where several completions share one row and one prompt.
 
         Returns:
             (h_BTD in the compute dtype, new cache or None).
@@ -290,8 +294,13 @@ class Transformer(nnx.Module):
             q_pos_T = cache.index + jnp.arange(t)
             key_mask_BS = jax.lax.dynamic_update_slice(cache.mask, mask_BT, (0, cache.index))
         s = key_mask_BS.shape[1]
-        causal_TS = jnp.arange(s)[None, :] <= q_pos_T[:, None]
-        mask_BTS = key_mask_BS[:, None, :] & causal_TS[None, :, :]
+        if attention_BTS is None:
+            causal_TS = jnp.arange(s)[None, :] <= q_pos_T[:, None]
+            mask_BTS = key_mask_BS[:, None, :] & causal_TS[None, :, :]
+        elif attention_BTS.shape != (b, t, s):
+            raise ValueError(f"attention_BTS has shape {attention_BTS.shape}, want {(b, t, s)}")
+        else:
+            mask_BTS = attention_BTS.astype(jnp.bool_)
 
         if layers is not None:
             x_BTD, kv = self._run_decode_layers(layers, x_BTD, cos, sin, mask_BTS, cache)

@@ -169,6 +169,14 @@ class Learner:
             old_logp=rows,
             ref_logp=rows,
             advantages=ro.batch_sharding(self.mesh, n, 1),
+            packing=ro.Packing(
+                src_BL=ro.batch_sharding(self.mesh, b, 2),
+                seg_BL=ro.batch_sharding(self.mesh, b, 2),
+                pos_BL=ro.batch_sharding(self.mesh, b, 2),
+                unpack_NT=rows,
+            )
+            if self.rl.pack_completions
+            else None,
         )
 
     def _scalar(self, value, dtype) -> jax.Array:
@@ -315,7 +323,14 @@ class Learner:
     def _prepare(self, state: TrainState, r: ro.Rollout) -> tuple[ro.RolloutBatch, dict]:
         """Reference/old log-probs, KL-in-reward, advantages, loss mask -> the device batch."""
         put = lambda x: ro.put_global(x, self.mesh)  # noqa: E731
-        t = ro.completion_bucket(r.lengths, r.tokens.shape[1])
+        packing = None
+        if self.rl.pack_completions:
+            # Packed scoring reads only each completion's own tokens, so the width of the
+            # [N, T] arrays costs next to nothing; keeping it fixed avoids recompiling.
+            t = r.tokens.shape[1]
+            packing = jax.tree.map(put, ro.pack(r.mask.sum(axis=1), self.rl.group_size, t))
+        else:
+            t = ro.completion_bucket(r.lengths, r.tokens.shape[1])
         truncated = r.stop_reason == step_metrics.LENGTH
         loss_mask = r.mask * (~truncated[:, None]) if self.rl.mask_truncated else r.mask
         loss_mask = loss_mask[:, :t]
@@ -325,9 +340,9 @@ class Learner:
         sampler_logp = put(r.logprobs[:, :t].astype(np.float32))
         ref_logp = old_logp = put(zeros)
         if self.needs_ref:
-            ref_logp = self._logprobs(state.ref_params, self.frozen, *inputs)[0]
+            ref_logp = self._logprobs(state.ref_params, self.frozen, *inputs, packing)[0]
         if self.old_from == "forward":
-            old_logp = self._logprobs(state.params, self.frozen, *inputs)[0]
+            old_logp = self._logprobs(state.params, self.frozen, *inputs, packing)[0]
         elif self.old_from == "sampler":
             old_logp = sampler_logp
         rewards = r.rewards
@@ -349,6 +364,7 @@ class Learner:
             old_logp=old_logp,
             ref_logp=ref_logp,
             advantages=put(adv.astype(np.float32)),
+            packing=packing,
         )
         return batch, extra
 

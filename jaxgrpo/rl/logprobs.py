@@ -16,6 +16,12 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
   gradients are those of the unshared computation, which `full_sequence_logprobs` implements
   and the tests compare against.
 
+* Padding. Completions of one group differ in length, and padding every one to the longest
+  scores mostly padding once a policy answers briefly. With a `Packing`
+  (`jaxgrpo.rl.rollout.pack`), a group's completions run end to end in one row against the
+  group's prompt cache, each attending only to the prompt and to its own earlier tokens, with
+  its own positions: the values and gradients are again those of the unshared computation.
+
 Temperature 0 (greedy) rows are scored at temperature 1, matching the sampler's convention.
 """
 
@@ -29,6 +35,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models.kv_cache import init_cache
+from jaxgrpo.rl.rollout import Packing
 from jaxgrpo.types import Array, PyTree
 
 
@@ -130,6 +137,7 @@ def shared_prefix_logprobs(
     *,
     group_size: int,
     chunk_size: int = 64,
+    packing: Packing | None = None,
 ) -> tuple[Array, Array]:
     """Prefix-shared scoring: each prompt runs once, its G completions against its KV cache.
 
@@ -145,10 +153,15 @@ def shared_prefix_logprobs(
         temps_NT: sampling temperature of each completion token.
         group_size: G, completions per prompt.
         chunk_size: positions per logits block.
+        packing: score each group's completions packed into one row (see `packed_logprobs`).
 
     Returns:
         (logp_NT, entropy_NT), float32.
     """
+    if packing is not None:
+        return packed_logprobs(
+            model, prompt_ids_BP, prompt_mask_BP, tokens_NT, temps_NT, packing, chunk_size
+        )
     b, p = prompt_ids_BP.shape
     t = tokens_NT.shape[1]
     cache = init_cache(model.cfg, b, p + t - 1, _compute_dtype(model))
@@ -162,6 +175,63 @@ def shared_prefix_logprobs(
     else:
         h_NTD = h_last_ND[:, None]
     return chunked_token_logprobs(model.logits, h_NTD, tokens_NT, temps_NT, chunk_size)
+
+
+def packed_logprobs(
+    model: Any,
+    prompt_ids_BP: Array,
+    prompt_mask_BP: Array,
+    tokens_NT: Array,
+    temps_NT: Array,
+    packing: Packing,
+    chunk_size: int = 64,
+) -> tuple[Array, Array]:
+    """Prefix-shared scoring with each group's completions packed end to end in one row.
+
+    The prompt runs once into a cache of P + L slots; the packed row [B, L] runs against it
+    with positions restarting at each completion's start and a mask that lets a token see the
+    prompt and the earlier tokens of its own completion only. The first token of a completion
+    is predicted by the prompt's last hidden state, every other one by the packed column
+    before it. Columns past a completion's end (per `packing`) come back as 0.
+
+    Args: as `shared_prefix_logprobs`, with `packing` from `jaxgrpo.rl.rollout.pack`.
+
+    Returns:
+        (logp_NT, entropy_NT), float32.
+    """
+    b, p = prompt_ids_BP.shape
+    n, t = tokens_NT.shape
+    width = packing.src_BL.shape[1]
+    cache = init_cache(model.cfg, b, p + width, _compute_dtype(model))
+    h_BPD, cache = model.hidden(prompt_ids_BP, prompt_mask_BP.astype(jnp.int32), cache=cache)
+
+    def to_packed(x_NT):
+        return jnp.take_along_axis(x_NT.reshape(b, n // b * t), packing.src_BL, axis=1)
+
+    ids_BL, temps_BL = to_packed(tokens_NT), to_packed(temps_NT)
+    seg_BL, pos_BL = packing.seg_BL, packing.pos_BL
+    valid_BL = seg_BL >= 0
+    causal_LL = jnp.tril(jnp.ones((width, width), jnp.bool_))
+    own_BLL = (seg_BL[:, :, None] == seg_BL[:, None, :]) & causal_LL[None] & valid_BL[:, None, :]
+    prompt_BLP = jnp.broadcast_to(prompt_mask_BP[:, None, :] != 0, (b, width, p))
+    h_BLD, _ = model.hidden(
+        ids_BL,
+        valid_BL.astype(jnp.int32),
+        positions_BT=cache.next_pos[:, None] + pos_BL,
+        cache=cache,
+        attention_BTS=jnp.concatenate([prompt_BLP, own_BLL], axis=2),
+    )
+    # Left padding puts every prompt's last token in the last column.
+    h_prev_BLD = jnp.concatenate([h_BPD[:, -1:], h_BLD[:, :-1]], axis=1)
+    h_pred_BLD = jnp.where((pos_BL == 0)[..., None], h_BPD[:, -1:], h_prev_BLD)
+    stats = chunked_token_logprobs(model.logits, h_pred_BLD, ids_BL, temps_BL, chunk_size)
+
+    def to_rows(x_BL):
+        x_BL1 = jnp.concatenate([x_BL, jnp.zeros((b, 1), x_BL.dtype)], axis=1)
+        unpack = packing.unpack_NT.reshape(b, n // b * t)
+        return jnp.take_along_axis(x_BL1, unpack, axis=1).reshape(n, t)
+
+    return to_rows(stats[0]), to_rows(stats[1])
 
 
 def _compute_dtype(model: Any):
@@ -188,11 +258,13 @@ def make_logprobs_fn(
         out_shardings: optional shardings for (logp, entropy).
 
     Returns:
-        `fn(trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT)
-        -> (logp_NT, entropy_NT)`.
+        `fn(trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT,
+        packing=None) -> (logp_NT, entropy_NT)`.
     """
 
-    def fn(trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT):
+    def fn(
+        trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT, packing=None
+    ):
         model = nnx.merge(graphdef, trainable, frozen)
         return shared_prefix_logprobs(
             model,
@@ -203,6 +275,7 @@ def make_logprobs_fn(
             temps_NT,
             group_size=group_size,
             chunk_size=chunk_size,
+            packing=packing,
         )
 
     kwargs = {}

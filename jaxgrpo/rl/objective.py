@@ -93,6 +93,14 @@ def make_loss_fn(
 
         model = nnx.merge(graphdef, params, frozen)
         mask = take(batch.mask, rows)
+        packing = batch.packing
+        if packing is not None:
+            packing = packing.replace(
+                src_BL=take(packing.src_BL, idx_M),
+                seg_BL=take(packing.seg_BL, idx_M),
+                pos_BL=take(packing.pos_BL, idx_M),
+                unpack_NT=take(packing.unpack_NT, rows),
+            )
         logp, entropy = shared_prefix_logprobs(
             model,
             take(batch.prompt_ids, idx_M),
@@ -102,6 +110,7 @@ def make_loss_fn(
             take(batch.temps, rows),
             group_size=g,
             chunk_size=spec.chunk_size,
+            packing=packing,
         )
         sampler_logp = take(batch.sampler_logp, rows)
         old_logp = take(batch.old_logp, rows) if spec.use_old_logp else None

@@ -79,6 +79,53 @@ def completion_bucket(lengths_N: np.ndarray, max_new_tokens: int) -> int:
 
 
 @flax.struct.dataclass
+class Packing:
+    """Where each group's completions sit when packed end to end into one row of L tokens.
+
+    Column c of group b's packed row holds token j = pos[b, c] of completion g = seg[b, c]
+    of that group (seg is -1 on padding columns), read from index src[b, c] = g * T + j of the
+    group's completions flattened to [G * T]. `unpack[n, j]` is the packed column of token
+    (n, j), or L for the columns past that completion's end. Built on the host by `pack`.
+    """
+
+    src_BL: Array
+    seg_BL: Array
+    pos_BL: Array
+    unpack_NT: Array
+
+
+def pack(lengths_N: np.ndarray, group_size: int, t: int) -> Packing:
+    """Packs the completions of each group of `group_size` rows end to end (numpy arrays).
+
+    Args:
+        lengths_N: tokens to score per completion (up to and including its stop token).
+        group_size: G; row b*G + g is completion g of group b.
+        t: T, the completions' column count.
+
+    Returns:
+        `Packing` with L = the power-of-two bucket (at least 16, at most G * T) of the longest
+        group's total length: with short completions a group's row is far shorter than G * T.
+    """
+    lengths_BG = np.minimum(np.asarray(lengths_N), t).reshape(-1, group_size)
+    b = lengths_BG.shape[0]
+    width = bucket_length(int(lengths_BG.sum(axis=1).max(initial=1)), 16, group_size * t)
+    src = np.zeros((b, width), np.int32)
+    seg = np.full((b, width), -1, np.int32)
+    pos = np.zeros((b, width), np.int32)
+    unpack = np.full((b, group_size, t), width, np.int32)
+    for i in range(b):
+        col = 0
+        for g, n in enumerate(lengths_BG[i]):
+            j = np.arange(n)
+            src[i, col : col + n] = g * t + j
+            seg[i, col : col + n] = g
+            pos[i, col : col + n] = j
+            unpack[i, g, :n] = col + j
+            col += n
+    return Packing(src, seg, pos, unpack.reshape(b * group_size, t))
+
+
+@flax.struct.dataclass
 class RolloutBatch:
     """Device arrays of one step's training batch (B prompts, N = B * G completions).
 
@@ -93,6 +140,8 @@ class RolloutBatch:
             the update is on-policy and does not need them).
         ref_logp: float32 [N, T] reference log-probs (zeros when there is no KL term).
         advantages: float32 [N].
+        packing: `Packing` of the groups' completions for the scoring passes, or None to score
+            each completion in its own row.
     """
 
     prompt_ids: Array
@@ -104,6 +153,7 @@ class RolloutBatch:
     old_logp: Array
     ref_logp: Array
     advantages: Array
+    packing: Packing | None = None
 
 
 @dataclasses.dataclass

@@ -257,10 +257,13 @@ def test_off_policy_options_step():
     assert max(diffs) > 0
 
 
-def test_scoring_only_the_longest_completion_changes_nothing(monkeypatch):
-    """The update trims the completions to their longest row's power-of-two bucket; the
-    parameters after one update equal those of the untrimmed batch (dr_grpo still divides by
+def test_trimmed_and_packed_scoring_change_nothing(monkeypatch):
+    """Without packing the update trims the completions to their longest row's power-of-two
+    bucket; with packing each group's completions share one row. The parameters after one
+    update equal those of the untrimmed, unpacked batch (dr_grpo still divides by
     max_new_tokens, not by the trimmed width)."""
+    import dataclasses
+
     import jax.numpy as jnp
 
     from jaxgrpo.rl import rollout as ro
@@ -269,7 +272,11 @@ def test_scoring_only_the_longest_completion_changes_nothing(monkeypatch):
     learner, _ = make_learner(
         {"data": 1},
         jax.devices()[:1],
-        **{"rl.loss_type": "dr_grpo", "sampling.max_new_tokens": t_max},
+        **{
+            "rl.loss_type": "dr_grpo",
+            "sampling.max_new_tokens": t_max,
+            "rl.pack_completions": False,
+        },
     )
     b, g = learner.rl.prompts_per_step, learner.rl.group_size
     rng = np.random.default_rng(0)
@@ -294,11 +301,15 @@ def test_scoring_only_the_longest_completion_changes_nothing(monkeypatch):
     width, trimmed = one_update(copy(state0))
     monkeypatch.setattr(ro, "completion_bucket", lambda lengths, t: t)
     full_width, full = one_update(copy(state0))
-    assert (width, full_width) == (8, t_max)
+    learner.rl = dataclasses.replace(learner.rl, pack_completions=True)
+    learner._build_programs()
+    packed_width, packed = one_update(copy(state0))
+    assert (width, full_width, packed_width) == (8, t_max, t_max)
     moved = max(float(np.abs(a - b).max()) for a, b in zip(full, host_params(state0), strict=True))
     assert moved > 1e-4, "the update must move the parameters for the comparison to mean much"
-    for a, b in zip(trimmed, full, strict=True):
+    for a, b, c in zip(trimmed, full, packed, strict=True):
         np.testing.assert_allclose(a, b, atol=PARAM_ATOL)
+        np.testing.assert_allclose(c, b, atol=PARAM_ATOL)
 
 
 def test_prompt_trimming_keeps_every_prompt_token():

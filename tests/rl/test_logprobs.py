@@ -14,6 +14,7 @@ from flax import nnx
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rl import logprobs as lp
+from jaxgrpo.rl.rollout import pack
 from jaxgrpo.rl.tiny import tiny_model_config
 
 B, G, P, T = 2, 3, 8, 6
@@ -64,8 +65,15 @@ def _reference(model, prompt_ids, prompt_mask, tokens, mask, temps):
     return logp, entropy
 
 
-def _shared(model, *batch, chunk_size=4):
-    return lp.shared_prefix_logprobs(model, *batch, group_size=G, chunk_size=chunk_size)
+def _packing(batch):
+    return jax.tree.map(jnp.asarray, pack(batch[3].sum(axis=1), G, T))
+
+
+def _shared(model, *batch, chunk_size=4, packed=False):
+    packing = _packing(batch) if packed else None
+    return lp.shared_prefix_logprobs(
+        model, *batch, group_size=G, chunk_size=chunk_size, packing=packing
+    )
 
 
 @pytest.mark.parametrize("chunk_size", [1, 4, 64])
@@ -83,21 +91,23 @@ def test_chunked_token_logprobs_any_chunk_size(chunk_size):
     np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(logp_all) * logp_all, -1), atol=1e-5)
 
 
-def test_shared_prefix_values_equal_plain_forward():
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_shared_prefix_values_equal_plain_forward(packed):
     model = _model(lora=True)
     graphdef, params, rest = nnx.split(model, nnx.LoRAParam, nnx.Param)
     batch = _batch()
     mask = batch[3].astype(bool)
     want_logp, want_ent = jax.jit(lambda *a: _reference(model, *a))(*batch)
     fn = lp.make_logprobs_fn(graphdef, group_size=G, chunk_size=4)
-    logp, ent = fn(params, rest, *batch)
+    logp, ent = fn(params, rest, *batch, _packing(batch) if packed else None)
     assert logp.shape == ent.shape == (B * G, T)
     np.testing.assert_allclose(np.where(mask, logp, 0), np.where(mask, want_logp, 0), atol=ATOL)
     np.testing.assert_allclose(np.where(mask, ent, 0), np.where(mask, want_ent, 0), atol=ATOL)
 
 
-def test_shared_prefix_gradients_equal_unshared():
-    """Gradients through the repeated prompt cache equal those of G separate full passes.
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_shared_prefix_gradients_equal_unshared(packed):
+    """Gradients through the shared prompt cache equal those of G separate full passes.
 
     Taken w.r.t. every weight (`nnx.Param` includes `LoRAParam`), so both the LoRA case and
     full fine-tuning are covered by one compiled pair.
@@ -113,7 +123,7 @@ def test_shared_prefix_gradients_equal_unshared():
         return jnp.sum((weights * logp + 0.3 * ent) * mask)
 
     def shared(m):
-        return _shared(m, *batch)
+        return _shared(m, *batch, packed=packed)
 
     def unshared(m):
         p_ids, p_mask = np.repeat(batch[0], G, 0), np.repeat(batch[1], G, 0)
@@ -128,6 +138,23 @@ def test_shared_prefix_gradients_equal_unshared():
     for (path, gs), gf in zip(paths_s, flat_f, strict=True):
         assert float(jnp.abs(gf).max()) > 1e-6, f"trivially zero gradient at {path}"
         np.testing.assert_allclose(gs, gf, atol=ATOL, rtol=1e-4, err_msg=str(path))
+
+
+def test_pack_places_every_token_once():
+    lengths = np.array([3, 1, 5, 2, 2, 2])
+    packing = pack(lengths, 3, 8)
+    assert packing.src_BL.shape == (2, 16)  # longest group 9 tokens -> bucket 16
+    tokens = np.arange(6 * 8).reshape(6, 8)
+    packed = np.take_along_axis(tokens.reshape(2, 24), packing.src_BL, axis=1)
+    valid = packing.seg_BL >= 0
+    assert valid.sum(axis=1).tolist() == [9, 6]
+    for n, length in enumerate(lengths):
+        cols = packing.unpack_NT[n, :length]
+        assert (packed[n // 3, cols] == tokens[n, :length]).all()
+        assert (packing.pos_BL[n // 3, cols] == np.arange(length)).all()
+        assert (packing.seg_BL[n // 3, cols] == n % 3).all()
+        assert (packing.unpack_NT[n, length:] == 16).all()
+    assert pack(np.full(6, 8), 3, 8).src_BL.shape == (2, 24)  # 32, capped at G * T
 
 
 def _shapes(jaxpr):
