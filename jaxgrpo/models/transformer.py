@@ -237,9 +237,13 @@ class Transformer(nnx.Module):
         h_BTD, _ = self.hidden(input_ids_BT, attention_mask)
         return self.logits(h_BTD)
 
+    def head_weight(self) -> Array:
+        """The LM head's weight [V, D] (the embedding when they are tied)."""
+        return (self.embed if self.lm_head is None else self.lm_head)[...]
+
     def logits(self, h_BTD: Array) -> Array:
         """LM head: [B, T, D] -> float32 logits [B, T, V]."""
-        w_VD = (self.embed if self.lm_head is None else self.lm_head)[...]
+        w_VD = self.head_weight()
         logits_BTV = jnp.einsum(
             "BTD,VD->BTV",
             h_BTD.astype(self.cfg.dtype),

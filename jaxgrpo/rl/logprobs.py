@@ -27,6 +27,7 @@ Temperature 0 (greedy) rows are scored at temperature 1, matching the sampler's 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -51,6 +52,71 @@ def _token_stats(
     return logp_NC, entropy_NC
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _head_stats(
+    h_NCD: Array, w_VD: Array, tokens_NC: Array, temps_NC: Array, dtype: Any
+) -> tuple[Array, Array]:
+    """`_token_stats` for a linear head `h @ w.T`, with a hand-written backward pass.
+
+    Autodiff of the log-softmax keeps several [N, C, V] intermediates and walks them more
+    often than needed; this backward recomputes the logits (one matmul, so nothing [N, C, V]
+    is kept between the passes) and forms d(loss)/d(logits) in one fused pass:
+    dlogp * (onehot - p) - dentropy * p * (log p + entropy), all over the temperature.
+    """
+    return _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype)[0]
+
+
+def _head_logits(h_NCD, w_VD, dtype):
+    return jnp.einsum(
+        "NCD,VD->NCV", h_NCD.astype(dtype), w_VD.astype(dtype), preferred_element_type=jnp.float32
+    )
+
+
+def _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype):
+    z_NCV = _head_logits(h_NCD, w_VD, dtype) / temps_NC[..., None]
+    lse_NC = jax.nn.logsumexp(z_NCV, axis=-1)
+    logp_NC = jnp.take_along_axis(z_NCV, tokens_NC[..., None], axis=-1)[..., 0] - lse_NC
+    logq_NCV = z_NCV - lse_NC[..., None]
+    entropy_NC = -jnp.sum(jnp.exp(logq_NCV) * logq_NCV, axis=-1)
+    return (logp_NC, entropy_NC), (h_NCD, w_VD, tokens_NC, temps_NC, lse_NC, entropy_NC)
+
+
+def _head_stats_bwd(dtype, residuals, cotangents):
+    h_NCD, w_VD, tokens_NC, temps_NC, lse_NC, entropy_NC = residuals
+    dlogp_NC, dent_NC = cotangents
+    z_NCV = _head_logits(h_NCD, w_VD, dtype) / temps_NC[..., None]
+    logq_NCV = z_NCV - lse_NC[..., None]
+    dz_NCV = -jnp.exp(logq_NCV) * (
+        dlogp_NC[..., None] + dent_NC[..., None] * (logq_NCV + entropy_NC[..., None])
+    )
+    n, c = tokens_NC.shape
+    dz_NCV = dz_NCV.at[jnp.arange(n)[:, None], jnp.arange(c)[None, :], tokens_NC].add(dlogp_NC)
+    dz_NCV = (dz_NCV / temps_NC[..., None]).astype(dtype)
+    dh_NCD = jnp.einsum(
+        "NCV,VD->NCD", dz_NCV, w_VD.astype(dtype), preferred_element_type=jnp.float32
+    )
+    dw_VD = jnp.einsum(
+        "NCV,NCD->VD", dz_NCV, h_NCD.astype(dtype), preferred_element_type=jnp.float32
+    )
+    return dh_NCD.astype(h_NCD.dtype), dw_VD.astype(w_VD.dtype), None, jnp.zeros_like(temps_NC)
+
+
+_head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
+
+
+def head_token_logprobs(
+    model: Any, h_NTD: Array, tokens_NT: Array, temps_NT: Array, chunk_size: int = 64
+) -> tuple[Array, Array]:
+    """`chunked_token_logprobs` through the model's linear LM head, with `_head_stats`."""
+    w_VD, dtype = model.head_weight(), _compute_dtype(model)
+
+    def stats(h_NCD, tokens_NC, temps_NC):
+        temps_NC = jnp.where(temps_NC > 0, temps_NC, 1.0).astype(jnp.float32)
+        return _head_stats(h_NCD, w_VD, tokens_NC, temps_NC, dtype)
+
+    return _chunked(stats, h_NTD, tokens_NT, temps_NT, chunk_size)
+
+
 def chunked_token_logprobs(
     logits_fn: Callable[[Array], Array],
     h_NTD: Array,
@@ -71,6 +137,13 @@ def chunked_token_logprobs(
     Returns:
         (logp_NT, entropy_NT), float32.
     """
+    # Rematerialise each chunk's [N, C, V] logits in the backward pass instead of keeping them.
+    stats = jax.checkpoint(lambda h, tok, temp: _token_stats(logits_fn, h, tok, temp))
+    return _chunked(stats, h_NTD, tokens_NT, temps_NT, chunk_size)
+
+
+def _chunked(stats, h_NTD, tokens_NT, temps_NT, chunk_size):
+    """Applies `stats(h_NCD, tokens_NC, temps_NC)` to chunks of C positions under a scan."""
     n, t, d = h_NTD.shape
     c = max(1, min(chunk_size, t))
     n_chunks = -(-t // c)
@@ -83,10 +156,8 @@ def chunked_token_logprobs(
     def split(x):
         return jnp.swapaxes(x.reshape((n, n_chunks, c) + x.shape[2:]), 0, 1)
 
-    # Rematerialise each chunk's [N, C, V] logits in the backward pass instead of keeping them.
-    body = jax.checkpoint(lambda h, tok, temp: _token_stats(logits_fn, h, tok, temp))
     _, (logp, ent) = jax.lax.scan(
-        lambda _, xs: (None, body(*xs)), None, (split(h_NTD), split(tokens_NT), split(temps_NT))
+        lambda _, xs: (None, stats(*xs)), None, (split(h_NTD), split(tokens_NT), split(temps_NT))
     )
 
     def merge(x):
@@ -124,7 +195,7 @@ def full_sequence_logprobs(
     mask_NS = jnp.concatenate([prompt_mask_NP, mask_NT], axis=1).astype(jnp.int32)
     h_NSD, _ = model.hidden(ids_NS, mask_NS)
     h_NTD = h_NSD[:, p - 1 : p + t - 1]
-    return chunked_token_logprobs(model.logits, h_NTD, tokens_NT, temps_NT, chunk_size)
+    return head_token_logprobs(model, h_NTD, tokens_NT, temps_NT, chunk_size)
 
 
 def shared_prefix_logprobs(
@@ -174,7 +245,7 @@ def shared_prefix_logprobs(
         h_NTD = jnp.concatenate([h_last_ND[:, None], h_NtD], axis=1)
     else:
         h_NTD = h_last_ND[:, None]
-    return chunked_token_logprobs(model.logits, h_NTD, tokens_NT, temps_NT, chunk_size)
+    return head_token_logprobs(model, h_NTD, tokens_NT, temps_NT, chunk_size)
 
 
 def packed_logprobs(
@@ -224,7 +295,7 @@ def packed_logprobs(
     # Left padding puts every prompt's last token in the last column.
     h_prev_BLD = jnp.concatenate([h_BPD[:, -1:], h_BLD[:, :-1]], axis=1)
     h_pred_BLD = jnp.where((pos_BL == 0)[..., None], h_BPD[:, -1:], h_prev_BLD)
-    stats = chunked_token_logprobs(model.logits, h_pred_BLD, ids_BL, temps_BL, chunk_size)
+    stats = head_token_logprobs(model, h_pred_BLD, ids_BL, temps_BL, chunk_size)
 
     def to_rows(x_BL):
         x_BL1 = jnp.concatenate([x_BL, jnp.zeros((b, 1), x_BL.dtype)], axis=1)

@@ -172,30 +172,32 @@ def make_update_fn(
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, loss_acc + loss), metrics
 
-    def update(state: TrainState, frozen: PyTree, batch: PyTree, idx_AM: Array):
-        zeros = jax.tree.map(jnp.zeros_like, state.params)
-        init = (zeros, jnp.zeros((), jnp.float32))
+    def gradients(params, frozen, batch, idx_AM):
+        if idx_AM.shape[0] == 1:  # one micro-batch: no accumulator to zero-fill and add into
+            (loss, metrics), grads = grad_fn(params, frozen, batch, idx_AM[0], idx_AM)
+            return grads, loss, metrics
+        init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
         (grads, loss), metrics = jax.lax.scan(
-            lambda c, i: micro_step(state.params, frozen, batch, idx_AM, c, i), init, idx_AM
+            lambda c, i: micro_step(params, frozen, batch, idx_AM, c, i), init, idx_AM
         )
-        metrics = jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        return grads, loss, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+
+    def update(state: TrainState, frozen: PyTree, batch: PyTree, idx_AM: Array):
+        grads, loss, metrics = gradients(state.params, frozen, batch, idx_AM)
         ok = jnp.isfinite(loss) & all_finite(grads)
-        # A NaN must not reach the moments either: feed zeros and then keep the old state.
-        safe = jax.tree.map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), grads)
-        updates, new_opt = optimizer.update(safe, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
 
-        def pick(new, old):
-            return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+        def apply(state):
+            updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+            return state.replace(
+                params=optax.apply_updates(state.params, updates), opt_state=new_opt
+            )
 
-        new_state = state.replace(
-            params=pick(new_params, state.params),
-            opt_state=pick(new_opt, state.opt_state),
-            skipped=state.skipped + (~ok).astype(jnp.int32),
-        )
+        # A non-finite loss or gradient keeps the old parameters and moments.
+        new_state = jax.lax.cond(ok, apply, lambda state: state, state)
+        new_state = new_state.replace(skipped=state.skipped + (~ok).astype(jnp.int32))
         metrics = dict(metrics)
         metrics["loss"] = loss
-        metrics["grad_norm"] = optax.tree.norm(safe)
+        metrics["grad_norm"] = jnp.where(ok, optax.tree.norm(grads), 0.0)
         metrics["update_skipped"] = (~ok).astype(jnp.float32)
         return new_state, metrics
 

@@ -91,6 +91,38 @@ def test_chunked_token_logprobs_any_chunk_size(chunk_size):
     np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(logp_all) * logp_all, -1), atol=1e-5)
 
 
+def test_head_vjp_equals_autodiff():
+    """The hand-written backward of the LM-head statistics equals autodiff of the plain ones."""
+    rng = np.random.default_rng(3)
+    h = jnp.asarray(rng.normal(size=(3, 7, 5)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(11, 5)), jnp.float32)
+    tokens = jnp.asarray(rng.integers(0, 11, (3, 7)), jnp.int32)
+    temps = jnp.asarray(rng.choice([0.0, 0.5, 1.0, 2.0], (3, 7)), jnp.float32)
+    a, c = (jnp.asarray(rng.normal(size=(3, 7)), jnp.float32) for _ in range(2))
+
+    class Head:  # the two things head_token_logprobs reads from a model
+        cfg = type("Cfg", (), {"dtype": "float32"})
+
+        def __init__(self, w):
+            self.w = w
+
+        def head_weight(self):
+            return self.w
+
+    def objective(h, w, custom):
+        if custom:
+            logp, ent = lp.head_token_logprobs(Head(w), h, tokens, temps, chunk_size=4)
+        else:
+            logp, ent = lp.chunked_token_logprobs(lambda x: x @ w.T, h, tokens, temps, 4)
+        return jnp.sum(a * logp + c * ent), (logp, ent)
+
+    (_, want), want_g = jax.value_and_grad(objective, (0, 1), has_aux=True)(h, w, False)
+    (_, got), got_g = jax.value_and_grad(objective, (0, 1), has_aux=True)(h, w, True)
+    for x, y in zip(got + got_g, want + want_g, strict=True):
+        assert float(jnp.abs(y).max()) > 1e-3
+        np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_shared_prefix_values_equal_plain_forward(packed):
     model = _model(lora=True)
