@@ -6,7 +6,7 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
 
 * Logits. A full `[B, S, V]` float32 logit tensor is the largest array of a step (Qwen's V is
   152k). Logits are computed only at the T positions that predict completion tokens, and in
-  chunks of `chunk_size` positions under `jax.checkpoint`, so the backward pass recomputes each
+  chunks of `chunk_size` positions whose hand-written VJP (`_head_stats`) recomputes each
   chunk's `[N, C, V]` block instead of storing all of them.
 * Shared prompts. The G samples of a group have the same prompt, which is usually most of the
   tokens. `shared_prefix_logprobs` runs the prompt once per group into a KV cache (the model's
@@ -40,27 +40,16 @@ from jaxgrpo.rl.rollout import Packing
 from jaxgrpo.types import Array, PyTree
 
 
-def _token_stats(
-    logits_fn: Callable[[Array], Array], h_NCD: Array, tokens_NC: Array, temps_NC: Array
-) -> tuple[Array, Array]:
-    """Log-prob of `tokens_NC` and entropy under `softmax(logits / temperature)`."""
-    logits_NCV = logits_fn(h_NCD).astype(jnp.float32)
-    temps_NC = jnp.where(temps_NC > 0, temps_NC, 1.0).astype(jnp.float32)
-    logp_NCV = jax.nn.log_softmax(logits_NCV / temps_NC[..., None], axis=-1)
-    logp_NC = jnp.take_along_axis(logp_NCV, tokens_NC[..., None], axis=-1)[..., 0]
-    entropy_NC = -jnp.sum(jnp.exp(logp_NCV) * logp_NCV, axis=-1)
-    return logp_NC, entropy_NC
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _head_stats(
     h_NCD: Array, w_VD: Array, tokens_NC: Array, temps_NC: Array, dtype: Any
 ) -> tuple[Array, Array]:
-    """`_token_stats` for a linear head `h @ w.T`, with a hand-written backward pass.
+    """Log-prob of `tokens_NC` and entropy under `softmax(h @ w.T / temperature)`.
 
-    Autodiff of the log-softmax keeps several [N, C, V] intermediates and walks them more
-    often than needed; this backward recomputes the logits (one matmul, so nothing [N, C, V]
-    is kept between the passes) and forms d(loss)/d(logits) in one fused pass:
+    The backward pass is written by hand. Autodiff of the log-softmax keeps several [N, C, V]
+    intermediates and walks them more often than needed; this backward recomputes the logits
+    (one matmul, so nothing [N, C, V] is kept between the passes) and forms d(loss)/d(logits)
+    in one fused pass:
     dlogp * (onehot - p) - dentropy * p * (log p + entropy), all over the temperature.
     """
     return _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype)[0]
@@ -107,27 +96,14 @@ _head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
 def head_token_logprobs(
     model: Any, h_NTD: Array, tokens_NT: Array, temps_NT: Array, chunk_size: int = 64
 ) -> tuple[Array, Array]:
-    """`chunked_token_logprobs` through the model's linear LM head, with `_head_stats`."""
-    w_VD, dtype = model.head_weight(), _compute_dtype(model)
-
-    def stats(h_NCD, tokens_NC, temps_NC):
-        temps_NC = jnp.where(temps_NC > 0, temps_NC, 1.0).astype(jnp.float32)
-        return _head_stats(h_NCD, w_VD, tokens_NC, temps_NC, dtype)
-
-    return _chunked(stats, h_NTD, tokens_NT, temps_NT, chunk_size)
-
-
-def chunked_token_logprobs(
-    logits_fn: Callable[[Array], Array],
-    h_NTD: Array,
-    tokens_NT: Array,
-    temps_NT: Array,
-    chunk_size: int = 64,
-) -> tuple[Array, Array]:
     """Scores `tokens_NT` from the hidden states that predict them, chunk by chunk over T.
 
+    Logits come from the model's linear LM head (`model.head_weight()`), C positions at a time
+    under a scan; `_head_stats` recomputes each chunk's [N, C, V] logits in the backward pass
+    instead of keeping them.
+
     Args:
-        logits_fn: maps hidden states [N, C, D] to logits [N, C, V] (the model's LM head).
+        model: a `Transformer` (or anything with `head_weight()` and `cfg.dtype`).
         h_NTD: hidden state at the position before each token (h_NTD[:, t] predicts
             tokens_NT[:, t]).
         tokens_NT: int32 token ids.
@@ -137,13 +113,7 @@ def chunked_token_logprobs(
     Returns:
         (logp_NT, entropy_NT), float32.
     """
-    # Rematerialise each chunk's [N, C, V] logits in the backward pass instead of keeping them.
-    stats = jax.checkpoint(lambda h, tok, temp: _token_stats(logits_fn, h, tok, temp))
-    return _chunked(stats, h_NTD, tokens_NT, temps_NT, chunk_size)
-
-
-def _chunked(stats, h_NTD, tokens_NT, temps_NT, chunk_size):
-    """Applies `stats(h_NCD, tokens_NC, temps_NC)` to chunks of C positions under a scan."""
+    w_VD, dtype = model.head_weight(), _compute_dtype(model)
     n, t, d = h_NTD.shape
     c = max(1, min(chunk_size, t))
     n_chunks = -(-t // c)
@@ -152,13 +122,16 @@ def _chunked(stats, h_NTD, tokens_NT, temps_NT, chunk_size):
         h_NTD = jnp.pad(h_NTD, ((0, 0), (0, pad), (0, 0)))
         tokens_NT = jnp.pad(tokens_NT, ((0, 0), (0, pad)))
         temps_NT = jnp.pad(temps_NT, ((0, 0), (0, pad)), constant_values=1.0)
+    temps_NT = jnp.where(temps_NT > 0, temps_NT, 1.0).astype(jnp.float32)
 
     def split(x):
         return jnp.swapaxes(x.reshape((n, n_chunks, c) + x.shape[2:]), 0, 1)
 
-    _, (logp, ent) = jax.lax.scan(
-        lambda _, xs: (None, stats(*xs)), None, (split(h_NTD), split(tokens_NT), split(temps_NT))
-    )
+    def stats(_, xs):
+        h_NCD, tokens_NC, temps_NC = xs
+        return None, _head_stats(h_NCD, w_VD, tokens_NC, temps_NC, dtype)
+
+    _, (logp, ent) = jax.lax.scan(stats, None, (split(h_NTD), split(tokens_NT), split(temps_NT)))
 
     def merge(x):
         return jnp.swapaxes(x, 0, 1).reshape(n, n_chunks * c)[:, :t]

@@ -93,14 +93,7 @@ def make_loss_fn(
 
         model = nnx.merge(graphdef, params, frozen)
         mask = take(batch.mask, rows)
-        packing = batch.packing
-        if packing is not None:
-            packing = packing.replace(
-                src_BL=take(packing.src_BL, idx_M),
-                seg_BL=take(packing.seg_BL, idx_M),
-                pos_BL=take(packing.pos_BL, idx_M),
-                unpack_NT=take(packing.unpack_NT, rows),
-            )
+        packing = None if batch.packing is None else batch.packing.take(idx_M, rows)
         logp, entropy = shared_prefix_logprobs(
             model,
             take(batch.prompt_ids, idx_M),

@@ -19,6 +19,7 @@ from typing import Any
 
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -92,6 +93,15 @@ class Packing:
     seg_BL: Array
     pos_BL: Array
     unpack_NT: Array
+
+    def take(self, groups_M: Array, rows_R: Array) -> Packing:
+        """The packing of groups `groups_M`, whose completions are rows `rows_R`."""
+        return Packing(
+            src_BL=jnp.take(self.src_BL, groups_M, axis=0),
+            seg_BL=jnp.take(self.seg_BL, groups_M, axis=0),
+            pos_BL=jnp.take(self.pos_BL, groups_M, axis=0),
+            unpack_NT=jnp.take(self.unpack_NT, rows_R, axis=0),
+        )
 
 
 def pack(lengths_N: np.ndarray, group_size: int, t: int) -> Packing:

@@ -76,44 +76,54 @@ def _shared(model, *batch, chunk_size=4, packed=False):
     )
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 64])
-def test_chunked_token_logprobs_any_chunk_size(chunk_size):
-    """Chunking over T (with padding when C does not divide T) changes nothing."""
-    rng = np.random.default_rng(2)
-    h = jnp.asarray(rng.normal(size=(3, 7, 5)), jnp.float32)
-    w = jnp.asarray(rng.normal(size=(5, 11)), jnp.float32)
-    tokens = jnp.asarray(rng.integers(0, 11, (3, 7)), jnp.int32)
-    temps = jnp.asarray(rng.choice([0.0, 0.5, 1.0, 2.0], (3, 7)), jnp.float32)
-    logp, ent = lp.chunked_token_logprobs(lambda x: x @ w, h, tokens, temps, chunk_size)
-    logp_all = jax.nn.log_softmax((h @ w) / jnp.where(temps > 0, temps, 1.0)[..., None], -1)
-    want = jnp.take_along_axis(logp_all, tokens[..., None], -1)[..., 0]
-    np.testing.assert_allclose(logp, want, atol=1e-6)
-    np.testing.assert_allclose(ent, -jnp.sum(jnp.exp(logp_all) * logp_all, -1), atol=1e-5)
+class _Head:
+    """The two things `head_token_logprobs` reads from a model: the head weight and dtype."""
+
+    cfg = type("Cfg", (), {"dtype": "float32"})
+
+    def __init__(self, w_VD):
+        self.w_VD = w_VD
+
+    def head_weight(self):
+        return self.w_VD
 
 
-def test_head_vjp_equals_autodiff():
-    """The hand-written backward of the LM-head statistics equals autodiff of the plain ones."""
-    rng = np.random.default_rng(3)
+def _head_case(seed):
+    rng = np.random.default_rng(seed)
     h = jnp.asarray(rng.normal(size=(3, 7, 5)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(11, 5)), jnp.float32)
     tokens = jnp.asarray(rng.integers(0, 11, (3, 7)), jnp.int32)
     temps = jnp.asarray(rng.choice([0.0, 0.5, 1.0, 2.0], (3, 7)), jnp.float32)
+    return rng, h, w, tokens, temps
+
+
+def _plain_stats(h, w, tokens, temps):
+    """log softmax(h @ w.T / temp) at the tokens, and the entropy, by plain autodiff-able ops."""
+    logp_all = jax.nn.log_softmax((h @ w.T) / jnp.where(temps > 0, temps, 1.0)[..., None], -1)
+    logp = jnp.take_along_axis(logp_all, tokens[..., None], -1)[..., 0]
+    return logp, -jnp.sum(jnp.exp(logp_all) * logp_all, -1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 64])
+def test_head_token_logprobs_any_chunk_size(chunk_size):
+    """Chunking over T (with padding when C does not divide T) changes nothing."""
+    _, h, w, tokens, temps = _head_case(2)
+    logp, ent = lp.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size)
+    want_logp, want_ent = _plain_stats(h, w, tokens, temps)
+    np.testing.assert_allclose(logp, want_logp, atol=1e-6)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-5)
+
+
+def test_head_vjp_equals_autodiff():
+    """The hand-written backward of the LM-head statistics equals autodiff of the plain ones."""
+    rng, h, w, tokens, temps = _head_case(3)
     a, c = (jnp.asarray(rng.normal(size=(3, 7)), jnp.float32) for _ in range(2))
-
-    class Head:  # the two things head_token_logprobs reads from a model
-        cfg = type("Cfg", (), {"dtype": "float32"})
-
-        def __init__(self, w):
-            self.w = w
-
-        def head_weight(self):
-            return self.w
 
     def objective(h, w, custom):
         if custom:
-            logp, ent = lp.head_token_logprobs(Head(w), h, tokens, temps, chunk_size=4)
+            logp, ent = lp.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size=4)
         else:
-            logp, ent = lp.chunked_token_logprobs(lambda x: x @ w.T, h, tokens, temps, 4)
+            logp, ent = _plain_stats(h, w, tokens, temps)
         return jnp.sum(a * logp + c * ent), (logp, ent)
 
     (_, want), want_g = jax.value_and_grad(objective, (0, 1), has_aux=True)(h, w, False)
