@@ -30,6 +30,7 @@ class ModelSpec:
     dtype: str
     param_dtype: str
     remat: bool
+    layer_loop: str
     lora_rank: int
     lora_alpha: float
     lora_targets: tuple[str, ...]

@@ -220,6 +220,7 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     _require(bool(cfg.run_dir), "run_dir", "must not be empty", cfg.run_dir)
     _one_of(cfg, "model.dtype", ("float32", "bfloat16"))
     _one_of(cfg, "model.param_dtype", ("float32", "bfloat16"))
+    _one_of(cfg, "model.layer_loop", ("auto", "scan", "unroll"))
     _require(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0", cfg.model.lora_rank)
     _require(cfg.model.lora_alpha > 0, "model.lora_alpha", "must be > 0", cfg.model.lora_alpha)
     bad = [t for t in cfg.model.lora_targets if t not in LORA_TARGETS]

@@ -52,6 +52,7 @@ BAD_OVERRIDES = [
     ({"sampling.repetition_guard": (3, 1)}, "sampling.repetition_guard"),
     ({"model.lora_targets": ("q", "qkv")}, "model.lora_targets"),
     ({"model.dtype": "float16"}, "model.dtype"),
+    ({"model.layer_loop": "while"}, "model.layer_loop"),
     ({"optim.schedule": "linear"}, "optim.schedule"),
     ({"optim.lr": 0.0}, "optim.lr"),
     ({"mesh.data": -1, "mesh.fsdp": -1}, "mesh.fsdp"),
@@ -116,6 +117,18 @@ def test_mesh_fits_devices():
         config_lib.resolve_mesh_shape(load_config("tiny", {"mesh.tensor": 3}), 8)
     with pytest.raises(ConfigError, match="divisible by mesh data \\* fsdp = 16"):
         config_lib.resolve_mesh_shape(cfg, 32)
+
+
+def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu():
+    from jaxgrpo.train import unroll_layers
+
+    def resolve(**overrides):
+        return unroll_layers(
+            load_config("tiny", {f"model.{k}": v for k, v in overrides.items()}).model
+        )
+
+    assert resolve(lora_rank=0) and not resolve(lora_rank=8)
+    assert resolve(lora_rank=8, layer_loop="unroll") and not resolve(lora_rank=0, layer_loop="scan")
 
 
 def test_train_config_is_frozen_and_typed():

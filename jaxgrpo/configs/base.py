@@ -15,6 +15,8 @@ def _model() -> ConfigDict:
     c.dtype = "float32"  # compute dtype: "float32" or "bfloat16"
     c.param_dtype = "float32"  # parameter storage dtype: "float32" or "bfloat16"
     c.remat = False  # rematerialise each block in the backward pass (saves memory, costs FLOPs)
+    # "scan", "unroll" or "auto" (unroll for full fine-tuning on CPU: faster update, slower compile)
+    c.layer_loop = "auto"
     c.lora_rank = 16  # LoRA rank R; 0 = full fine-tuning of every parameter
     c.lora_alpha = 32.0  # LoRA scale numerator: adapter output is scaled by alpha / rank
     c.lora_targets = ("q", "k", "v", "o", "gate", "up", "down")  # projections that get adapters

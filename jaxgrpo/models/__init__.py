@@ -252,6 +252,7 @@ def load_model(
     param_dtype: str | None = None,
     tokenizer=None,
     remat: bool = False,
+    unroll_layers: bool = False,
     seed: int = 0,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a Llama/Qwen checkpoint and its tokenizer.
@@ -270,6 +271,7 @@ def load_model(
       param_dtype: storage dtype of the weights when it differs from ``dtype``.
       tokenizer: override the checkpoint's tokenizer (a ``Tokenizer``, directory or .gguf).
       remat: recompute each block in the backward pass.
+      unroll_layers: unroll the layer scan (``ModelConfig.unroll_layers``).
       seed: seed of the LoRA A initialisation.
 
     Returns:
@@ -288,7 +290,12 @@ def load_model(
     start = time.perf_counter()
     hf, get_tensor, make_tokenizer = read_source(source)
     cfg = ModelConfig.from_hf_config(
-        hf, param_dtype=param_dtype or dtype, dtype=dtype, lora=_as_lora(lora), remat=remat
+        hf,
+        param_dtype=param_dtype or dtype,
+        dtype=dtype,
+        lora=_as_lora(lora),
+        remat=remat,
+        unroll_layers=unroll_layers,
     )
     tok = _as_tokenizer(tokenizer, make_tokenizer)
     if tok.vocab_size > cfg.vocab_size:

@@ -75,6 +75,10 @@ class ModelConfig:
         param_dtype: storage dtype of the weights, "float32" or "bfloat16".
         dtype: compute dtype of matmuls; norms, softmax and logits stay float32.
         remat: recompute each block in the backward pass (jax.checkpoint) to save memory.
+        unroll_layers: run the stacked layers as an unrolled loop instead of `lax.scan`. The
+            program is L copies of a layer (longer compile), but the backward pass writes no
+            stacked [L, ...] residual and gradient buffers; on XLA:CPU that made a full
+            fine-tuning update of SmolLM2-135M about 2 s (~12%) faster. With LoRA it was slower.
         lora: adapters declared at construction, or None.
     """
 
@@ -97,6 +101,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
+    unroll_layers: bool = False
     lora: LoRAConfig | None = None
 
     def __post_init__(self):

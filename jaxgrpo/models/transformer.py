@@ -3,7 +3,8 @@
 Layers are stored stacked on a leading L axis (one `Block` whose weights are [L, ...]) and run
 with `jax.lax.scan`, so a 30-layer model compiles in about the time of a 2-layer one. Inside the
 scan body each layer's weight slice is merged back into a `Block` (`nnx.merge`), which keeps the
-per-layer code ordinary module code.
+per-layer code ordinary module code. `ModelConfig.unroll_layers` unrolls the scan instead
+(longer compile, no stacked residual/gradient buffers in the backward pass).
 
 The KV cache is carried whole through the scan and updated with `dynamic_update_slice` at
 (layer, slot), which XLA performs in place: a decode step never copies the cache.
@@ -349,7 +350,7 @@ class Transformer(nnx.Module):
         return x_BTD, (tuple(ks), tuple(vs))
 
     def _run_layers(self, x_BTD, cos, sin, mask_BTS, cache: KVCache | None):
-        """Scans the stacked Block over L; carries x and (if decoding) the whole cache."""
+        """Scans (or unrolls) the stacked Block over L; carries x and (if decoding) the cache."""
         graphdef, state = nnx.split(self.layers)
         ctx = self.shard_ctx
         index = None if cache is None else cache.index
@@ -365,7 +366,8 @@ class Transformer(nnx.Module):
             body = jax.checkpoint(body)
         kv0 = None if cache is None else (cache.k, cache.v)
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, kv0), (state, layers))
+        unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
+        (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, kv0), (state, layers), unroll=unroll)
         return x_BTD, kv
 
 

@@ -91,6 +91,7 @@ def tiny_model(
     dtype: str = "float32",
     mesh: Any = None,
     rules: Any = None,
+    unroll_layers: bool = False,
 ):
     """Builds the random tiny model and its tokenizer.
 
@@ -100,11 +101,12 @@ def tiny_model(
         dtype: "float32" or "bfloat16" (compute and storage).
         mesh: optional mesh; parameters are then created sharded by `rules`.
         rules: logical-axis rules (default `jaxgrpo.sharding.TRAIN_RULES`).
+        unroll_layers: unroll the layer scan (`ModelConfig.unroll_layers`).
 
     Returns:
         (model, tokenizer).
     """
-    cfg = tiny_model_config(lora, dtype)
+    cfg = tiny_model_config(lora, dtype).replace(unroll_layers=unroll_layers)
     if mesh is not None:
         from jaxgrpo import sharding
 

@@ -239,6 +239,39 @@ def test_remat_and_bfloat16():
     np.testing.assert_allclose(np.asarray(logits_bf), np.asarray(logits), atol=2e-2)
 
 
+def test_unrolled_layers_equal_the_scan():
+    """`unroll_layers` changes the program, not the math: logits, gradients and a cached
+    prefill + decode step equal the scanned layers' (float32, 1e-5)."""
+    cfg = _tiny_cfg().replace(num_layers=3)
+    model = random_transformer(cfg)
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) * 7 % 128
+    mask = jnp.ones_like(ids).at[1, :3].set(0)
+    graphdef, state = nnx.split(model)
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def run(state, unroll):
+        def loss(state):
+            m = nnx.merge(graphdef, state)
+            m.cfg = m.cfg.replace(unroll_layers=unroll)
+            logits = m(ids, attention_mask=mask)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 5]), logits
+
+        grads, logits = jax.grad(loss, has_aux=True)(state)
+        m = nnx.merge(graphdef, state)
+        m.cfg = m.cfg.replace(unroll_layers=unroll)
+        cache = init_cache(cfg, 2, 9)
+        _, cache = m.hidden(ids, mask, cache=cache)
+        h, _ = m.hidden(ids[:, :1], jnp.ones_like(ids[:, :1]), cache=cache)
+        return grads, logits, m.logits(h)
+
+    assert "while" in run.lower(state, False).as_text()
+    assert "while" not in run.lower(state, True).as_text()
+    scanned, unrolled = run(state, False), run(state, True)
+    assert float(jnp.max(jnp.abs(scanned[2]))) > 0.1
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(unrolled), strict=True):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-5, atol=1e-5)
+
+
 def _compile_seconds(num_layers):
     cfg = ModelConfig(
         vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=num_layers,
