@@ -394,3 +394,34 @@ def test_sharded_8_devices_equals_one(tiny):
     assert len(eight.tokens.sharding.device_set) == 8
     np.testing.assert_array_equal(eight.tokens, one.tokens)
     np.testing.assert_allclose(eight.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_compacting_finished_rows_changes_no_completion(tiny):
+    """Decoding only the still-running rows once at most `compact_rows` are left gives the same
+    tokens, masks and stop reasons, and logprobs within 1e-5, as decoding every row to the end
+    (row r draws the same random numbers wherever it sits in the batch)."""
+    model, ids, mask = tiny
+    ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # B = 4
+    max_len = np.full(16, 2)
+    max_len[[1, 6, 11, 12]] = 10  # after 2 tokens only these 4 of the 16 rows run on
+    kw = dict(
+        rng=jax.random.key(5), max_new_tokens=10, temperature=1.0, num_samples=4, eos_ids=(3,),
+        max_lengths=max_len,
+    )  # fmt: skip
+    full = sampling.generate(model, ids, mask, compact_rows=0, **kw)
+    compact = sampling.generate(model, ids, mask, compact_rows=4, **kw)
+    assert int(np.asarray(full.lengths).max()) > 2, "the compacted loop decoded nothing"
+    for name in ("tokens", "mask", "lengths", "stop_reason", "steps"):
+        np.testing.assert_array_equal(getattr(compact, name), getattr(full, name), err_msg=name)
+    np.testing.assert_allclose(compact.logprobs, full.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_categorical_row_draws_do_not_depend_on_the_batch():
+    """Row r of a batch draws the same token whether sampled with all rows or a subset."""
+    x_nv = jax.random.normal(jax.random.key(3), (6, 3000))
+    rows = jnp.array([1, 4, 5])
+    rng = jax.random.key(9)
+    whole = sampling.select.categorical(rng, x_nv)
+    part = sampling.select.categorical(rng, x_nv[rows], rows, 6)
+    np.testing.assert_array_equal(part, np.asarray(whole)[np.asarray(rows)])
+    assert len(set(np.asarray(whole).tolist())) > 1

@@ -17,7 +17,8 @@ on SmolLM2-135M at B=32 on the 2-core CPU (`python benchmarks/generate.py`, prof
 `DecodeLayer` is built from a `Block` (`decode_layer_from_block`) and run by `decode_layer`; it
 computes what `Block.__call__` computes (the tests compare greedy decoding with transformers and
 the sampled log-probs with a full forward pass), with keys and values in the per-layer
-[B, K, S, H] buffers of a `LayerKVCache`.
+[B, K, S, H] buffers of a `LayerKVCache`, whose prompt part is stored once per prompt and
+shared by its G samples.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo.models.layers import apply_rope, attend_bksh, rms_norm
+from jaxgrpo.models.layers import apply_rope, attend_shared_prompt, rms_norm
 from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
 
@@ -110,18 +111,23 @@ def decode_layer(
     mask_BTS: Array,
     kv: tuple[Array, Array],
     index: Array,
+    prompt_kv: tuple[Array, Array],
+    prompt_mask: Array,
     ctx: ShardingCtx | None = None,
 ) -> tuple[Array, tuple[Array, Array]]:
-    """`Block.__call__` on decode-layout weights and this layer's [B, K, S, H] cache buffers.
+    """`Block.__call__` on decode-layout weights and this layer's part of a `LayerKVCache`.
 
     Args:
         w: the layer's weights.
         x_BTD: residual stream (compute dtype).
         cos / sin: RoPE tables [B, T, 1, H/2].
-        mask_BTS: True where query t may attend key slot s.
-        kv: this layer's (k, v) buffers, each [B, K, S, H]; the T new keys and values are
-            written at slots [index, index + T).
+        mask_BTS: True where query t may attend completion slot s.
+        kv: this layer's completion (k, v) buffers, each [B, K, S, H]; the T new keys and
+            values are written at slots [index, index + T).
         index: int32 scalar, the first slot to write.
+        prompt_kv: this layer's prompt (k, v), each [B / G, K, P, H], shared by the G rows
+            of each prompt; every query attends its prompt's valid slots.
+        prompt_mask: [B / G, P] bool, the valid prompt slots.
         ctx: activation sharding context.
 
     Returns:
@@ -148,7 +154,7 @@ def decode_layer(
     v_BKSH = jax.lax.dynamic_update_slice(
         v_BKSH, v_BTKH.transpose(0, 2, 1, 3).astype(v_BKSH.dtype), start
     )
-    attn_BTNH = attend_bksh(q_BTNH, k_BKSH, v_BKSH, mask_BTS)
+    attn_BTNH = attend_shared_prompt(q_BTNH, prompt_kv, prompt_mask, (k_BKSH, v_BKSH), mask_BTS)
     x_BTD = x_BTD + _project(attn_BTNH.reshape(b, t, -1), w.o, w.o_bias).astype(dtype)
 
     h_BTD = rms_norm(x_BTD, w.mlp_norm, w.eps)

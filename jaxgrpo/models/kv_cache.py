@@ -75,7 +75,7 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 @flax.struct.dataclass
 class LayerKVCache:
-    """The decode-time cache: one key and one value buffer per layer, heads before slots.
+    """The decode-time cache: per-layer buffers, heads before slots, the prompt stored once.
 
     The scanned `KVCache` suits prefill and training, but in a one-token decode step reading
     layer i out of a stacked [L, ...] buffer copies it, and the [B, S, K, H] layout makes the
@@ -83,12 +83,22 @@ class LayerKVCache:
     copies per step, as much time as the matmuls. Separate [B, K, S, H] buffers are updated in
     place (the loop donates them) and read by the dots as they are.
 
+    The G samples of a prompt share its keys and values, so the prompt part keeps one row per
+    prompt and `repeat(G)` repeats only the completion part: a decode step reads the prompt
+    cache once per group (`layers.attend_shared_prompt`), not once per sample.
+
     Attributes:
-        k: L keys [B, K, S, H], RoPE already applied.
-        v: L values [B, K, S, H].
-        mask / next_pos / index: as in `KVCache`.
+        prompt_k / prompt_v: L prompt keys / values [B, K, P, H], RoPE already applied.
+        prompt_mask: [B, P] bool, True at real (non-pad) prompt slots.
+        k / v: L completion keys / values [R, K, S, H], R = B * G rows.
+        mask: [R, S] bool, True at completion slots holding a token.
+        next_pos: [R] int32, the position id of each row's next token.
+        index: int32 scalar, the next completion slot to write (shared by all rows).
     """
 
+    prompt_k: tuple[Array, ...]
+    prompt_v: tuple[Array, ...]
+    prompt_mask: Array
     k: tuple[Array, ...]
     v: tuple[Array, ...]
     mask: Array
@@ -96,18 +106,54 @@ class LayerKVCache:
     index: Array
 
     @classmethod
-    def from_stacked(cls, cache: KVCache) -> LayerKVCache:
-        """Splits a (prefilled) `KVCache` into per-layer [B, K, S, H] buffers."""
+    def from_prompt(cls, cache: KVCache, new_tokens: int) -> LayerKVCache:
+        """A `KVCache` whose every slot was filled by the prompt pass (S = P), as the shared
+        prompt part, plus `new_tokens` empty completion slots per row."""
         split = lambda x: tuple(x[i].transpose(0, 2, 1, 3) for i in range(x.shape[0]))  # noqa: E731
-        return cls(split(cache.k), split(cache.v), cache.mask, cache.next_pos, cache.index)
+        _, b, _, k, h = cache.k.shape
+        empty = lambda: tuple(  # noqa: E731
+            jnp.zeros((b, k, new_tokens, h), cache.k.dtype) for _ in range(cache.k.shape[0])
+        )
+        return cls(
+            prompt_k=split(cache.k),
+            prompt_v=split(cache.v),
+            prompt_mask=cache.mask,
+            k=empty(),
+            v=empty(),
+            mask=jnp.zeros((b, new_tokens), jnp.bool_),
+            next_pos=cache.next_pos,
+            index=jnp.zeros((), jnp.int32),
+        )
 
     def repeat(self, group: int) -> LayerKVCache:
-        """Repeats each row `group` times: row b becomes rows b*G .. b*G+G-1."""
+        """Repeats each row `group` times: row r becomes rows r*G .. r*G+G-1.
+
+        The prompt part is not copied: row r's prompt is prompt r // (rows per prompt).
+        """
         rep = lambda xs: tuple(jnp.repeat(x, group, axis=0) for x in xs)  # noqa: E731
-        return LayerKVCache(
+        return self.replace(
             k=rep(self.k),
             v=rep(self.v),
             mask=jnp.repeat(self.mask, group, axis=0),
             next_pos=jnp.repeat(self.next_pos, group, axis=0),
+        )
+
+    def take(self, rows: Array) -> LayerKVCache:
+        """Rows `rows` [M] only, each with its own copy of its prompt's keys and values.
+
+        The sampler uses it to go on decoding only the rows still running; the result has
+        one prompt row per row (groups of one).
+        """
+        group = self.mask.shape[0] // self.prompt_mask.shape[0]
+        prompt_rows = rows // group
+        take = lambda xs, r: tuple(jnp.take(x, r, axis=0) for x in xs)  # noqa: E731
+        return LayerKVCache(
+            prompt_k=take(self.prompt_k, prompt_rows),
+            prompt_v=take(self.prompt_v, prompt_rows),
+            prompt_mask=jnp.take(self.prompt_mask, prompt_rows, axis=0),
+            k=take(self.k, rows),
+            v=take(self.v, rows),
+            mask=jnp.take(self.mask, rows, axis=0),
+            next_pos=jnp.take(self.next_pos, rows, axis=0),
             index=self.index,
         )

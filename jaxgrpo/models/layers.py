@@ -207,23 +207,61 @@ def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, mask_BTS: Array) -> Arra
     return out.reshape(b, t, n, h)
 
 
-def attend_bksh(q_BTNH: Array, k_BKSH: Array, v_BKSH: Array, mask_BTS: Array) -> Array:
-    """`attend` with keys and values stored heads-first ([B, K, S, H], the decode cache).
+def attend_shared_prompt(
+    q_RTNH: Array,
+    prompt_kv: tuple[Array, Array],
+    prompt_mask_BP: Array,
+    kv: tuple[Array, Array],
+    mask_RTS: Array,
+) -> Array:
+    """`attend` for the decode cache: a prompt part shared by each group of rows, then each
+    row's own completion slots, both stored heads-first.
 
-    The batch dimensions of both dots (B, K) then lead, so XLA reads the cache in place.
+    Rows r = b*G .. b*G+G-1 are the G samples of prompt b (R = B * G). The prompt's keys and
+    values are stored once per prompt, so its scores are one matmul per (prompt, kv head)
+    with the G * M * T queries of the group as rows, reading the prompt cache once per group
+    instead of once per row. One softmax runs over the prompt and completion slots together.
+
+    Args:
+        q_RTNH: queries, N = K * M.
+        prompt_kv: keys and values [B, K, P, H] of the prompts.
+        prompt_mask_BP: True at real (non-pad) prompt slots; every query may attend them.
+        kv: keys and values [R, K, S, H] of the completion slots.
+        mask_RTS: True where query t may attend completion slot s.
+
+    Returns:
+        [R, T, N, H] in q's dtype.
     """
-    b, t, n, h = q_BTNH.shape
-    k = k_BKSH.shape[1]
-    q_BKMTH = q_BTNH.reshape(b, t, k, n // k, h).transpose(0, 2, 3, 1, 4)
-    scores = jnp.einsum(
-        "BKMTH,BKSH->BKMTS",
-        q_BKMTH,
-        k_BKSH.astype(q_BTNH.dtype),
-        preferred_element_type=jnp.float32,
-    ) * (1.0 / math.sqrt(h))
-    probs = _masked_softmax(scores, mask_BTS).astype(q_BTNH.dtype)
-    out_BKMTH = jnp.einsum("BKMTS,BKSH->BKMTH", probs, v_BKSH.astype(q_BTNH.dtype))
-    return out_BKMTH.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)
+    r, t, n, h = q_RTNH.shape
+    (pk_BKPH, pv_BKPH), (k_RKSH, v_RKSH) = prompt_kv, kv
+    b, k, p, _ = pk_BKPH.shape
+    g, m, dtype = r // b, n // k, q_RTNH.dtype
+    scale = 1.0 / math.sqrt(h)
+    # Prompt part: the group's queries as rows X = G * M * T of one matmul per (b, k).
+    q_BKXH = q_RTNH.reshape(b, g, t, k, m, h).transpose(0, 3, 1, 4, 2, 5).reshape(b, k, -1, h)
+    prompt_BKXP = jnp.einsum(
+        "BKXH,BKPH->BKXP", q_BKXH, pk_BKPH.astype(dtype), preferred_element_type=jnp.float32
+    )
+    prompt_RKMTP = (
+        prompt_BKXP.reshape(b, k, g, m, t, p).transpose(0, 2, 1, 3, 4, 5).reshape(r, k, m, t, p)
+    )
+    q_RKMTH = q_RTNH.reshape(r, t, k, m, h).transpose(0, 2, 3, 1, 4)
+    own_RKMTS = jnp.einsum(
+        "RKMTH,RKSH->RKMTS", q_RKMTH, k_RKSH.astype(dtype), preferred_element_type=jnp.float32
+    )
+    scores = jnp.concatenate([prompt_RKMTP, own_RKMTS], axis=-1) * scale
+    prompt_mask_RTP = jnp.broadcast_to(jnp.repeat(prompt_mask_BP, g, axis=0)[:, None, :], (r, t, p))
+    probs = _masked_softmax(scores, jnp.concatenate([prompt_mask_RTP, mask_RTS], axis=-1))
+    probs = probs.astype(dtype)
+    probs_BKXP = (
+        probs[..., :p].reshape(b, g, k, m, t, p).transpose(0, 2, 1, 3, 4, 5).reshape(b, k, -1, p)
+    )
+    out_BKXH = jnp.einsum("BKXP,BKPH->BKXH", probs_BKXP, pv_BKPH.astype(dtype))
+    out_RKMTH = out_BKXH.reshape(b, k, g, m, t, h).transpose(0, 2, 1, 3, 4, 5)
+    out_RKMTH = out_RKMTH.reshape(r, k, m, t, h) + jnp.einsum(
+        "RKMTS,RKSH->RKMTH", probs[..., p:], v_RKSH.astype(dtype)
+    )
+    return out_RKMTH.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h)
 
 
 def _masked_softmax(scores_BKMTS: Array, mask_BTS: Array) -> Array:

@@ -313,7 +313,7 @@ class Transformer(nnx.Module):
             x_BTD, kv = self._run_layers(x_BTD, cos, sin, mask_BTS, cache)
         h_BTD = self.final_norm(x_BTD)
         if cache is not None:
-            cache = type(cache)(
+            cache = cache.replace(
                 k=kv[0],
                 v=kv[1],
                 mask=key_mask_BS,
@@ -341,10 +341,12 @@ class Transformer(nnx.Module):
         if not isinstance(cache, LayerKVCache):
             raise TypeError("hidden(layers=...) decodes into a LayerKVCache")
         ks, vs = [], []
-        for w, k, v in zip(layers, cache.k, cache.v, strict=True):
+        prompt_kv = zip(cache.prompt_k, cache.prompt_v, strict=True)
+        for w, k, v, pkv in zip(layers, cache.k, cache.v, prompt_kv, strict=True):
             x_BTD, (k, v) = decode_layer(
-                w, x_BTD, cos, sin, mask_BTS, (k, v), cache.index, self.shard_ctx
-            )
+                w, x_BTD, cos, sin, mask_BTS, (k, v), cache.index, pkv, cache.prompt_mask,
+                self.shard_ctx,
+            )  # fmt: skip
             ks.append(k)
             vs.append(v)
         return x_BTD, (tuple(ks), tuple(vs))

@@ -1,7 +1,8 @@
 """``generate``: the sampling loop of ``loop.py`` wired to a ``Transformer`` and its ``KVCache``.
 
 Two programs are compiled per shape bucket (B, P, T) and static settings: ``prefill`` (the
-prompts once through the scanned layers, cache split per layer and repeated to G rows, token 0)
+prompts once through the scanned layers, their cache split per layer and kept once per prompt as
+the shared prompt part of a ``LayerKVCache``, token 0)
 and ``decode`` (the per-layer decode weights prepared once, then the ``while_loop``, its state
 donated so the cache is updated in place). Both take the model state as a pure pytree; the
 ``graphdef`` is closed over (never passed as data) and the jitted pair is cached per
@@ -46,18 +47,19 @@ class SampleOutput:
     steps: Array
 
 
-def _prefill_step_fn(graphdef: nnx.GraphDef):
+def _prefill_step_fn(graphdef: nnx.GraphDef, new_tokens: int):
     """``(states, ids_BP, mask_BP, cache) -> (last logits_BV, LayerKVCache)``: the prompts.
 
-    The prompt pass scans the stacked layers into a ``KVCache`` (one pass, compiled once per
-    layer), then splits it into the per-layer buffers the decode steps update.
+    The prompt pass scans the stacked layers into a ``KVCache`` of P slots (one pass, compiled
+    once per layer), which becomes the shared prompt part of the per-layer decode cache, with
+    ``new_tokens`` empty completion slots per row.
     """
 
     def step_fn(states, ids_BT, mask_BT, cache):
         model = nnx.merge(graphdef, *states)
         h_BTD, cache = model.hidden(ids_BT, attention_mask_BT=mask_BT, cache=cache)
         # Only the last position is needed: never build [B, P, V] logits for the prompt.
-        return model.logits(h_BTD[:, -1:, :])[:, 0, :], LayerKVCache.from_stacked(cache)
+        return model.logits(h_BTD[:, -1:, :])[:, 0, :], LayerKVCache.from_prompt(cache, new_tokens)
 
     return step_fn
 
@@ -88,8 +90,8 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
 
     def prefill_fn(states, ids_BP, mask_BP, knobs, rng) -> SamplingState:
         batch, prompt_len = ids_BP.shape
-        cache = init_cache(model_cfg, batch, prompt_len + cfg.max_new_tokens, cache_dtype)
-        step_fn = _prefill_step_fn(graphdef)
+        cache = init_cache(model_cfg, batch, prompt_len, cache_dtype)
+        step_fn = _prefill_step_fn(graphdef, cfg.max_new_tokens)
         return prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
 
     def decode_fn(states, state, knobs) -> SamplingState:
@@ -141,6 +143,18 @@ def make_knobs(
     )
 
 
+def auto_compact_rows(n: int, rows_can_stop_early: bool) -> int:
+    """The default ``compact_rows``: N / 4 once N >= 16, when rows can stop before the end.
+
+    A GRPO batch's completions have a long tail (format_copy: mean 11 of 32 tokens, but most
+    batches have a row that runs to 32), so most decode steps would run finished rows. One
+    compaction compiles a second copy of the decode loop; N / 4 rows keeps it one. The
+    compacted rows must still split evenly over the devices.
+    """
+    m = n // 4
+    return m if rows_can_stop_early and n >= 16 and m % jax.device_count() == 0 else 0
+
+
 def generate_from_state(
     graphdef: nnx.GraphDef,
     states: Sequence[PyTree],
@@ -161,24 +175,30 @@ def generate_from_state(
     repetition_count: int = 4,
     pad_id: int = 0,
     cache_dtype: str | None = None,
+    compact_rows: int | None = None,
 ) -> SampleOutput:
     """``generate`` for a split model: ``nnx.merge(graphdef, *states)`` is the model.
 
     The trainer calls this with ``states = (base, lora)`` so nothing is re-split per step.
     Arguments are those of ``generate``.
     """
+    n = prompt_ids.shape[0] * int(num_samples)
+    if compact_rows is None:
+        compact_rows = auto_compact_rows(n, bool(eos_ids) or bool(repetition_ngram) or (
+            max_lengths is not None
+        ))  # fmt: skip
     cfg = LoopConfig(
         max_new_tokens=int(max_new_tokens),
         num_samples=int(num_samples),
         eos_ids=tuple(int(e) for e in eos_ids),
         top_k=int(top_k),
         repetition_ngram=int(repetition_ngram),
+        compact_rows=int(compact_rows),
     )
     cache_dtype = cache_dtype or getattr(model_cfg, "dtype", "float32")
     key = (graphdef, model_cfg, cfg, cache_dtype)
     _cached_keys.add(key)
     prefill_jit, decode_jit = programs(*key)
-    n = prompt_ids.shape[0] * cfg.num_samples
     if max_lengths is not None and jnp.ndim(max_lengths) == 1 and cfg.num_samples > 1:
         if jnp.shape(max_lengths)[0] != n:
             max_lengths = jnp.repeat(jnp.asarray(max_lengths), cfg.num_samples)
@@ -220,7 +240,9 @@ def generate(model: nnx.Module, prompt_ids: Array, prompt_mask: Array, **kwargs)
         0 = off), ``min_p`` (traced, 0 = off), ``eos_ids`` (static stop tokens),
         ``num_samples`` (G, static), ``max_lengths`` (per-row cap, [B] or [N], traced),
         ``repetition_ngram`` (static n, 0 = off) and ``repetition_count`` (traced k): stop a row
-        whose tail is one block of <= n tokens repeated k times; ``pad_id``; ``cache_dtype``.
+        whose tail is one block of <= n tokens repeated k times; ``pad_id``; ``cache_dtype``;
+        ``compact_rows`` (static M: once at most M rows are running, decode only those; None =
+        ``auto_compact_rows``, 0 = off; the completions are the same either way).
 
     Returns:
       ``SampleOutput`` with N = B * G rows.

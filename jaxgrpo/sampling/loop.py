@@ -51,6 +51,10 @@ class LoopConfig:
       eos_ids: token ids that stop a row.
       top_k: keep only the k most likely tokens (0 = off).
       repetition_ngram: repetition guard's longest block length n (0 = guard off).
+      compact_rows: M; once at most M rows are still running, the loop goes on with just M
+        rows (the running ones), so finished rows stop costing compute. Needs a cache with
+        ``take(rows)``; 0 = off. The result is the same either way: row r draws the same
+        random numbers wherever it sits in the batch.
     """
 
     max_new_tokens: int
@@ -58,6 +62,7 @@ class LoopConfig:
     eos_ids: tuple[int, ...] = ()
     top_k: int = 0
     repetition_ngram: int = 0
+    compact_rows: int = 0
 
 
 @flax.struct.dataclass
@@ -165,9 +170,17 @@ def _record(
 
 
 def _sample_and_record(
-    state: SamplingState, logits_NV: Array, knobs: Knobs, cfg: LoopConfig
+    state: SamplingState,
+    logits_NV: Array,
+    knobs: Knobs,
+    cfg: LoopConfig,
+    rows_N: Array | None = None,
+    num_rows: int | None = None,
 ) -> SamplingState:
-    """Samples token ``state.step`` for every row from ``logits_NV`` and records it."""
+    """Samples token ``state.step`` for every row from ``logits_NV`` and records it.
+
+    ``rows_N`` / ``num_rows``: after compaction, the rows' places in the full batch.
+    """
     temperature_N = jax.lax.dynamic_index_in_dim(
         knobs.temperature_NT, state.step, axis=1, keepdims=False
     )
@@ -178,6 +191,8 @@ def _sample_and_record(
         knobs.top_p,
         knobs.min_p,
         top_k=cfg.top_k,
+        rows_N=rows_N,
+        num_rows=num_rows,
     )
     return _record(state, token_N, logprob_N, knobs, cfg)
 
@@ -228,10 +243,44 @@ def prefill(
     return _sample_and_record(state, logits_BV, knobs, cfg)
 
 
+_ROW_FIELDS = (
+    "tokens_NT",
+    "logprobs_NT",
+    "mask_NT",
+    "lengths_N",
+    "done_N",
+    "stop_reason_N",
+    "repeat_run_NR",
+)
+
+
+def _take_rows(state: SamplingState, knobs: Knobs, rows_M: Array) -> tuple[SamplingState, Knobs]:
+    """The loop state and knobs of rows ``rows_M`` only (the cache via ``cache.take``)."""
+    take = lambda x: jnp.take(x, rows_M, axis=0)  # noqa: E731
+    sub = state.replace(
+        cache=state.cache.take(rows_M), **{f: take(getattr(state, f)) for f in _ROW_FIELDS}
+    )
+    knobs = knobs.replace(
+        temperature_NT=take(knobs.temperature_NT), max_len_N=take(knobs.max_len_N)
+    )
+    return sub, knobs
+
+
+def _put_rows(state: SamplingState, rows_M: Array, sub: SamplingState) -> SamplingState:
+    """Writes the rows decoded by ``sub`` back; the cache stays the one before compaction."""
+    put = {f: getattr(state, f).at[rows_M].set(getattr(sub, f)) for f in _ROW_FIELDS}
+    return state.replace(step=sub.step, rng=sub.rng, **put)
+
+
 def decode(
     step_fn: StepFn, params: PyTree, state: SamplingState, knobs: Knobs, cfg: LoopConfig
 ) -> SamplingState:
     """Samples tokens ``state.step .. T-1``, exiting as soon as every row has stopped.
+
+    With ``cfg.compact_rows = M``, the loop over all N rows stops once at most M rows are
+    running; the M rows with the lowest indices among the running ones first are gathered
+    (``cache.take``) and a second loop decodes them to the end. The returned state holds every
+    row's tokens; its cache is then the N-row cache as it was at the compaction.
 
     Args:
       step_fn: as in ``prefill``; called on [N, 1] token batches.
@@ -243,14 +292,25 @@ def decode(
     Returns:
       The final state; ``step`` is the number of positions actually sampled.
     """
-    t = state.tokens_NT.shape[1]
+    n, t = state.tokens_NT.shape
+    m = cfg.compact_rows
 
-    def cond(s: SamplingState) -> Array:
-        return (s.step < t) & ~jnp.all(s.done_N)
+    def run(s: SamplingState, kn: Knobs, rows_M: Array | None, until: int) -> SamplingState:
+        def cond(s: SamplingState) -> Array:
+            go = (s.step < t) & ~jnp.all(s.done_N)
+            return go & (jnp.sum(~s.done_N) > until) if until else go
 
-    def body(s: SamplingState) -> SamplingState:
-        last_N1 = jax.lax.dynamic_slice_in_dim(s.tokens_NT, s.step - 1, 1, axis=1)
-        logits_NV, cache = step_fn(params, last_N1, jnp.ones_like(last_N1), s.cache)
-        return _sample_and_record(s.replace(cache=cache), logits_NV, knobs, cfg)
+        def body(s: SamplingState) -> SamplingState:
+            last_N1 = jax.lax.dynamic_slice_in_dim(s.tokens_NT, s.step - 1, 1, axis=1)
+            logits_NV, cache = step_fn(params, last_N1, jnp.ones_like(last_N1), s.cache)
+            return _sample_and_record(s.replace(cache=cache), logits_NV, kn, cfg, rows_M, n)
 
-    return jax.lax.while_loop(cond, body, state)
+        return jax.lax.while_loop(cond, body, s)
+
+    if not 0 < m < n:
+        return run(state, knobs, None, 0)
+    state = run(state, knobs, None, m)
+    # Running rows sort first (stable: in row order); keep M of them, in row order.
+    rows_M = jnp.sort(jnp.argsort(state.done_N, stable=True)[:m]).astype(jnp.int32)
+    sub, sub_knobs = _take_rows(state, knobs, rows_M)
+    return _put_rows(state, rows_M, run(sub, sub_knobs, rows_M, 0))

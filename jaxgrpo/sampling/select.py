@@ -86,31 +86,48 @@ def truncate(x_NV: Array, top_p: Array, min_p: Array, *, top_k: int) -> Array:
     return jax.lax.cond((top_p < 1.0) | (min_p > 0.0), min_p_then_top_p, lambda x: x, x_NV)
 
 
-def categorical(rng: Array, x_NV: Array) -> Array:
+def _gumbel_rows(rng: Array, shape: tuple[int, int], rows_N: Array | None) -> Array:
+    """Gumbel noise [len(rows), shape[1]]: rows ``rows_N`` of a [shape[0], shape[1]] draw.
+
+    Row r's noise depends on the key and r only, so a row gets the same draw whichever rows
+    share its batch (the sampler drops finished rows from the batch mid-way).
+    """
+    noise = jax.random.gumbel(rng, shape, jnp.float32)
+    return noise if rows_N is None else jnp.take(noise, rows_N, axis=0)
+
+
+def categorical(
+    rng: Array, x_NV: Array, rows_N: Array | None = None, num_rows: int | None = None
+) -> Array:
     """Exact draw from ``softmax(x_NV)`` per row, in two levels to save random numbers.
 
-    ``jax.random.categorical`` draws V Gumbel variables per row; at V = 49k and 32 rows that is
-    ~270 ms per step on CPU, more than the model. We draw a block of 256 tokens from the
-    blocks' total masses, then a token inside the block: P(block) * P(token | block) is the
-    same distribution with V / 256 + 256 random numbers per row.
+    A Gumbel-max draw over V = 49k tokens and 32 rows costs ~270 ms per step on CPU, more than
+    the model. We draw a block of 256 tokens from the blocks' total masses, then a token
+    inside the block: P(block) * P(token | block) is the same distribution with V / 256 + 256
+    random numbers per row.
 
     Args:
       rng: PRNG key.
       x_NV: float32 [N, V] unnormalised log-probabilities (-inf = excluded).
+      rows_N: int32 [N], which rows of a ``num_rows``-row batch these are (default: all, in
+        order); row r always gets the same random numbers for a given key.
+      num_rows: the full batch's row count (static; with ``rows_N``).
 
     Returns:
       int32 [N] token ids.
     """
     n, v = x_NV.shape
+    total = n if rows_N is None else num_rows
     if v <= 4 * _CHUNK:
-        return jax.random.categorical(rng, x_NV).astype(jnp.int32)
+        return jnp.argmax(x_NV + _gumbel_rows(rng, (total, v), rows_N), axis=-1).astype(jnp.int32)
     num_c = -(-v // _CHUNK)
     x_NCW = jnp.pad(x_NV, ((0, 0), (0, num_c * _CHUNK - v)), constant_values=_NEG_INF)
     x_NCW = x_NCW.reshape(n, num_c, _CHUNK)
     block_rng, token_rng = jax.random.split(rng)
-    block_N = jax.random.categorical(block_rng, jax.nn.logsumexp(x_NCW, axis=-1))
+    block_NC = jax.nn.logsumexp(x_NCW, axis=-1) + _gumbel_rows(block_rng, (total, num_c), rows_N)
+    block_N = jnp.argmax(block_NC, axis=-1)
     x_NW = jnp.take_along_axis(x_NCW, block_N[:, None, None], axis=1)[:, 0]
-    token_N = jax.random.categorical(token_rng, x_NW)
+    token_N = jnp.argmax(x_NW + _gumbel_rows(token_rng, (total, _CHUNK), rows_N), axis=-1)
     return (block_N * _CHUNK + token_N).astype(jnp.int32)
 
 
@@ -122,6 +139,8 @@ def select_tokens(
     min_p: Array,
     *,
     top_k: int,
+    rows_N: Array | None = None,
+    num_rows: int | None = None,
 ) -> tuple[Array, Array]:
     """Samples one token per row and returns its untruncated log-probability.
 
@@ -132,6 +151,7 @@ def select_tokens(
       top_p: float32 scalar nucleus mass (1 = off).
       min_p: float32 scalar min-p ratio (0 = off).
       top_k: static int (0 = off).
+      rows_N / num_rows: as in ``categorical``: these rows' places in the full batch.
 
     Returns:
       (token_N int32, logprob_N float32), logprob under ``log_softmax(logits / T)`` with T = 1
@@ -142,7 +162,7 @@ def select_tokens(
     # Greedy rows divide by 1 so no row ever divides by zero; the choice is traced, not static.
     safe_t_N1 = jnp.where(greedy_N, 1.0, temperature_N)[:, None]
     x_NV = logits_NV / safe_t_N1
-    sampled_N = categorical(rng, truncate(x_NV, top_p, min_p, top_k=top_k))
+    sampled_N = categorical(rng, truncate(x_NV, top_p, min_p, top_k=top_k), rows_N, num_rows)
     token_N = jnp.where(greedy_N, jnp.argmax(logits_NV, axis=-1), sampled_N).astype(jnp.int32)
     x_N = jnp.take_along_axis(x_NV, token_N[:, None], axis=-1)[:, 0]
     return token_N, x_N - jax.nn.logsumexp(x_NV, axis=-1)

@@ -129,10 +129,12 @@ def _decode_paths(model, ids, mask, prefill_len):
     """Last-position logits of each 1-token step after a prefill: scanned stacked layers on a
     `KVCache`, and the decode path (`decode_layers`, adapters merged) on a `LayerKVCache`."""
     b, t = ids.shape
-    cache = init_cache(model.cfg, b, t)
-    _, cache = model.hidden(ids[:, :prefill_len], mask[:, :prefill_len], cache=cache)
-    layer_cache, layers = LayerKVCache.from_stacked(cache).repeat(2), model.decode_layers()
+    prompt_ids, prompt_mask = ids[:, :prefill_len], mask[:, :prefill_len]
+    _, cache = model.hidden(prompt_ids, prompt_mask, cache=init_cache(model.cfg, b, t))
     cache = cache.repeat(2)
+    _, prompt = model.hidden(prompt_ids, prompt_mask, cache=init_cache(model.cfg, b, prefill_len))
+    layer_cache = LayerKVCache.from_prompt(prompt, t - prefill_len).repeat(2)
+    layers = model.decode_layers()
     scanned, unrolled = [], []
     for i in range(prefill_len, t):
         step_ids = jnp.repeat(ids[:, i : i + 1], 2, axis=0)
@@ -146,7 +148,8 @@ def _decode_paths(model, ids, mask, prefill_len):
 
 def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch):
     """The sampler's decode path (per-layer [out, in] weights with LoRA folded in, per-layer
-    [B, K, S, H] cache) gives the scanned model's logits, adapters unmerged (1e-5)."""
+    [B, K, S, H] cache whose prompt part is shared by each prompt's G = 2 rows) gives the
+    scanned model's logits on a repeated cache, adapters unmerged (1e-5)."""
     _, base, _ = pair
     cfg = dataclasses.replace(base.cfg, lora=LoRAConfig(rank=4, alpha=8.0))
     model = random_transformer(cfg, seed=3, std=0.1)
@@ -160,8 +163,10 @@ def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch):
     assert float(jnp.max(jnp.abs(scanned))) > 0.1
     np.testing.assert_allclose(np.asarray(unrolled), np.asarray(scanned), rtol=1e-5, atol=1e-5)
     assert len(layer_cache.k) == cfg.num_layers
-    assert layer_cache.k[0].shape == (2 * ids.shape[0], cfg.num_kv_heads, 12, cfg.head_dim)
-    assert int(layer_cache.index) == 12
+    b, t = ids.shape
+    assert layer_cache.k[0].shape == (2 * b, cfg.num_kv_heads, t - 8, cfg.head_dim)
+    assert layer_cache.prompt_k[0].shape == (b, cfg.num_kv_heads, 8, cfg.head_dim)
+    assert int(layer_cache.index) == t - 8
 
 
 def test_hf_tensors_round_trip(pair):
