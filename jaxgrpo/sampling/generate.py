@@ -147,9 +147,9 @@ def auto_compact_rows(n: int, rows_can_stop_early: bool) -> int:
     """The default ``compact_rows``: N / 4 once N >= 16, when rows can stop before the end.
 
     A GRPO batch's completions have a long tail (format_copy: mean 11 of 32 tokens, but most
-    batches have a row that runs to 32), so most decode steps would run finished rows. One
-    compaction compiles a second copy of the decode loop; N / 4 rows keeps it one. The
-    compacted rows must still split evenly over the devices.
+    batches have a row that runs to 32), so most decode steps would run finished rows. The
+    compaction compiles a second copy of the decode loop. The compacted rows must still split
+    evenly over the devices.
     """
     m = n // 4
     return m if rows_can_stop_early and n >= 16 and m % jax.device_count() == 0 else 0
@@ -184,9 +184,8 @@ def generate_from_state(
     """
     n = prompt_ids.shape[0] * int(num_samples)
     if compact_rows is None:
-        compact_rows = auto_compact_rows(n, bool(eos_ids) or bool(repetition_ngram) or (
-            max_lengths is not None
-        ))  # fmt: skip
+        can_stop_early = bool(eos_ids) or bool(repetition_ngram) or max_lengths is not None
+        compact_rows = auto_compact_rows(n, can_stop_early)
     cfg = LoopConfig(
         max_new_tokens=int(max_new_tokens),
         num_samples=int(num_samples),

@@ -269,7 +269,7 @@ def _take_rows(state: SamplingState, knobs: Knobs, rows_M: Array) -> tuple[Sampl
 def _put_rows(state: SamplingState, rows_M: Array, sub: SamplingState) -> SamplingState:
     """Writes the rows decoded by ``sub`` back; the cache stays the one before compaction."""
     put = {f: getattr(state, f).at[rows_M].set(getattr(sub, f)) for f in _ROW_FIELDS}
-    return state.replace(step=sub.step, rng=sub.rng, **put)
+    return state.replace(step=sub.step, **put)
 
 
 def decode(
@@ -278,7 +278,7 @@ def decode(
     """Samples tokens ``state.step .. T-1``, exiting as soon as every row has stopped.
 
     With ``cfg.compact_rows = M``, the loop over all N rows stops once at most M rows are
-    running; the M rows with the lowest indices among the running ones first are gathered
+    running; M rows, all the running ones and then finished ones, in row order, are gathered
     (``cache.take``) and a second loop decodes them to the end. The returned state holds every
     row's tokens; its cache is then the N-row cache as it was at the compaction.
 
@@ -297,8 +297,7 @@ def decode(
 
     def run(s: SamplingState, kn: Knobs, rows_M: Array | None, until: int) -> SamplingState:
         def cond(s: SamplingState) -> Array:
-            go = (s.step < t) & ~jnp.all(s.done_N)
-            return go & (jnp.sum(~s.done_N) > until) if until else go
+            return (s.step < t) & (jnp.sum(~s.done_N) > until)
 
         def body(s: SamplingState) -> SamplingState:
             last_N1 = jax.lax.dynamic_slice_in_dim(s.tokens_NT, s.step - 1, 1, axis=1)
