@@ -18,18 +18,23 @@ import os
 import statistics
 import time
 
-import jax
-import numpy as np
-import torch
-import transformers
+from jaxgrpo.runtime import keep_freed_memory, use_cpu_xla_flags
 
-from jaxgrpo.models import load_model
-from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.models.tokenizer import Tokenizer
-from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.models.weights import load_hf_tensors
-from jaxgrpo.runtime import use_cpu_xla_flags
-from jaxgrpo.sampling import generate
+# Before torch or JAX start threads: the malloc settings the CLIs run with (jaxgrpo.runtime).
+# They hold for the whole process, so transformers runs under them too.
+keep_freed_memory()
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from jaxgrpo.models import load_model  # noqa: E402
+from jaxgrpo.models.config import ModelConfig  # noqa: E402
+from jaxgrpo.models.tokenizer import Tokenizer  # noqa: E402
+from jaxgrpo.models.transformer import Transformer  # noqa: E402
+from jaxgrpo.models.weights import load_hf_tensors  # noqa: E402
+from jaxgrpo.sampling import generate  # noqa: E402
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one word."}],

@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import time
 
-from jaxgrpo.runtime import use_cpu_xla_flags
+from jaxgrpo.runtime import keep_freed_memory, use_cpu_xla_flags
 
 PROMPTS, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
 
@@ -167,6 +167,7 @@ def bench_trl(hf_dir: str, lora: bool, steps: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     use_cpu_xla_flags()  # the XLA:CPU flags the CLIs run with (jaxgrpo.runtime)
+    keep_freed_memory()  # and their malloc settings, before torch or JAX start threads; TRL too
     parser.add_argument("--steps", type=int, default=5, help="measured steps after the warm-up")
     parser.add_argument("--variants", default="lora,full")
     parser.add_argument("--frameworks", default="jaxgrpo,trl")

@@ -365,9 +365,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: evaluate, write the JSON and Markdown (process 0), print the table."""
-    from jaxgrpo.runtime import use_cpu_xla_flags
+    from jaxgrpo.runtime import keep_freed_memory, use_cpu_xla_flags
 
     use_cpu_xla_flags()
+    keep_freed_memory()
     import jax
 
     from jaxgrpo.config import ConfigError

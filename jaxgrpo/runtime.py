@@ -5,8 +5,10 @@ Kept apart from ``train.py`` so the loop there reads as the sequence of steps it
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 from typing import Any
 
 import numpy as np
@@ -28,6 +30,40 @@ def use_cpu_xla_flags() -> None:
     missing = [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in current]
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+
+
+# glibc `mallopt` parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def keep_freed_memory() -> bool:
+    """Makes glibc's malloc keep the memory XLA:CPU frees, for the program's next run to reuse.
+
+    XLA:CPU allocates its temporary and output buffers with malloc at every execution and frees
+    them after it. glibc serves the large ones with `mmap` (always, from worker threads, whose
+    arenas hold at most 64 MB) and returns them to the kernel on free, so every execution
+    page-faults its whole working set in again. On the 2-core benchmark machine that was about
+    630k faults and 8-11 s of system time in each 11-14 s full fine-tuning update; with this
+    call there are none and the update takes 7.6-7.9 s (`benchmarks/README.md`). The cost is
+    that the process keeps its peak heap instead of shrinking between steps.
+
+    It sets one malloc arena for all threads, no `mmap` allocations, and no trimming of the
+    heap. Call it first thing, before JAX (or torch) starts threads: an arena a thread already
+    has stays in use. The CLIs and benchmarks call it; set JAXGRPO_SYSTEM_MALLOC=1 to skip it.
+
+    Returns:
+        True if the settings were applied (Linux with glibc), else False.
+    """
+    if os.environ.get("JAXGRPO_SYSTEM_MALLOC") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # -1 is SIZE_MAX to glibc's size_t threshold: never trim.
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+    return all(mallopt(param, value) == 1 for param, value in settings)
 
 
 class DataStream:

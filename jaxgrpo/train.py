@@ -27,7 +27,13 @@ from typing import Any
 from jaxgrpo import config as config_lib
 from jaxgrpo.config import ConfigError, TrainConfig
 from jaxgrpo.config_checks import unknown_key_error
-from jaxgrpo.runtime import DataStream, RunFiles, StopRequest, use_cpu_xla_flags
+from jaxgrpo.runtime import (
+    DataStream,
+    RunFiles,
+    StopRequest,
+    keep_freed_memory,
+    use_cpu_xla_flags,
+)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -345,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from ml_collections import config_flags
 
     use_cpu_xla_flags()
+    keep_freed_memory()
     argv = list(sys.argv if argv is None else argv)
     try:
         argv = resolve_argv(argv)
