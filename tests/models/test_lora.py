@@ -136,3 +136,23 @@ def test_peft_export_loads_in_peft_with_the_same_logits(base):
         ref = pm(torch.tensor(IDS).long(), attention_mask=torch.tensor(MASK)).logits.numpy()
     valid = MASK.astype(bool)
     np.testing.assert_allclose(np.asarray(_logits(model))[valid], ref[valid], rtol=1e-4, atol=1e-4)
+
+
+def test_low_rank_delta_gradients_equal_autodiff_of_the_plain_formula():
+    """The hand-written backward (dA = (g^T x)^T) equals autodiff of `scale * (x A) B`."""
+    kx, ka, kb, ky = jax.random.split(jax.random.key(3), 4)
+    x, a = jax.random.normal(kx, (37, 24)), jax.random.normal(ka, (24, 4))
+    b, dy = jax.random.normal(kb, (4, 40)), jax.random.normal(ky, (37, 40))
+
+    def plain(x, a, b):
+        return jnp.sum(2.5 * (x @ a) @ b * dy)
+
+    def ours(x, a, b):
+        return jnp.sum(lora_lib.low_rank_delta(x, a, b, 2.5) * dy)
+
+    np.testing.assert_allclose(ours(x, a, b), plain(x, a, b), rtol=1e-5)
+    want = jax.grad(plain, argnums=(0, 1, 2))(x, a, b)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(x, a, b)
+    for name, g, w in zip("xab", got, want, strict=True):
+        assert g.shape == w.shape, name
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4, err_msg=f"d{name}")
