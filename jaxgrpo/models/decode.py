@@ -43,8 +43,10 @@ class DecodeLayer:
 
     Attributes:
         attn_norm / mlp_norm: RMSNorm scales [D].
-        q: [N*H, D]; k and v: [K*H, D]; o: [D, N*H].
-        q_bias: [N*H]; k_bias, v_bias: [K*H]; o_bias: [D]; each None when absent.
+        qkv: [(N + 2K) * H, D], the query rows, then the keys', then the values' (one matmul
+            instead of three; the key and value ones alone are narrow and run slowly).
+        o: [D, N*H].
+        qkv_bias: [(N + 2K) * H], or None when q, k and v have no bias; o_bias: [D] or None.
         q_norm / k_norm: Qwen3 per-head RMSNorm scales [H], or None.
         gate_up: [2*F, D], the gate's F rows then the up projection's.
         down: [D, F].
@@ -52,16 +54,12 @@ class DecodeLayer:
     """
 
     attn_norm: Array
-    q: Array
-    k: Array
-    v: Array
+    qkv: Array
     o: Array
     mlp_norm: Array
     gate_up: Array
     down: Array
-    q_bias: Array | None = None
-    k_bias: Array | None = None
-    v_bias: Array | None = None
+    qkv_bias: Array | None = None
     o_bias: Array | None = None
     q_norm: Array | None = None
     k_norm: Array | None = None
@@ -76,21 +74,27 @@ def _matrix(kernel: Array, n_in: int, dtype) -> Array:
 def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
     """The weights of one unstacked `Block` (adapters already merged) in decode layout."""
     attn, mlp = block.attn, block.mlp
-    bias = lambda e: None if e.bias is None else e.bias[...].reshape(-1).astype(dtype)  # noqa: E731
+    qkv = (attn.q, attn.k, attn.v)
+    qkv_bias = None
+    if any(e.bias is not None for e in qkv):
+        qkv_bias = jnp.concatenate(
+            [
+                jnp.zeros(e.kernel.shape[1:], dtype).reshape(-1)
+                if e.bias is None
+                else e.bias[...].reshape(-1).astype(dtype)
+                for e in qkv
+            ]
+        )
     norm = lambda n: None if n is None else n.scale[...]  # noqa: E731
     return DecodeLayer(
         attn_norm=block.attn_norm.scale[...],
-        q=_matrix(attn.q.kernel[...], 1, dtype),
-        k=_matrix(attn.k.kernel[...], 1, dtype),
-        v=_matrix(attn.v.kernel[...], 1, dtype),
+        qkv=jnp.concatenate([_matrix(e.kernel[...], 1, dtype) for e in qkv]),
         o=_matrix(attn.o.kernel[...], 2, dtype),
         mlp_norm=block.mlp_norm.scale[...],
         gate_up=_matrix(mlp.gate_up.kernel[...], 1, dtype),  # [D, 2, F] -> [2F, D]
         down=_matrix(mlp.down.kernel[...], 1, dtype),
-        q_bias=bias(attn.q),
-        k_bias=bias(attn.k),
-        v_bias=bias(attn.v),
-        o_bias=bias(attn.o),
+        qkv_bias=qkv_bias,
+        o_bias=None if attn.o.bias is None else attn.o.bias[...].reshape(-1).astype(dtype),
         q_norm=norm(attn.q_norm),
         k_norm=norm(attn.k_norm),
         eps=eps,
@@ -137,9 +141,12 @@ def decode_layer(
     b, t, _ = x_BTD.shape
     h = cos.shape[-1] * 2
     h_BTD = rms_norm(x_BTD, w.attn_norm, w.eps)
-    q_BTNH = _project(h_BTD, w.q, w.q_bias).reshape(b, t, -1, h)
-    k_BTKH = _project(h_BTD, w.k, w.k_bias).reshape(b, t, -1, h)
-    v_BTKH = _project(h_BTD, w.v, w.v_bias).reshape(b, t, -1, h)
+    qkv_BTX = _project(h_BTD, w.qkv, w.qkv_bias)
+    nh = w.o.shape[1]
+    kh = (qkv_BTX.shape[-1] - nh) // 2
+    q_BTNH = qkv_BTX[..., :nh].reshape(b, t, -1, h)
+    k_BTKH = qkv_BTX[..., nh : nh + kh].reshape(b, t, -1, h)
+    v_BTKH = qkv_BTX[..., nh + kh :].reshape(b, t, -1, h)
     if w.q_norm is not None:
         q_BTNH, k_BTKH = rms_norm(q_BTNH, w.q_norm, w.eps), rms_norm(k_BTKH, w.k_norm, w.eps)
     q_BTNH = shard_act(apply_rope(q_BTNH, cos, sin), _HEAD_AXES, ctx)
