@@ -44,7 +44,7 @@ def keep_freed_memory() -> bool:
     arenas hold at most 64 MB) and returns them to the kernel on free, so every execution
     page-faults its whole working set in again. On the 2-core benchmark machine that was about
     630k faults and 8-11 s of system time in each 11-14 s full fine-tuning update; with this
-    call there are none and the update takes 7.6-7.9 s (`benchmarks/README.md`). The cost is
+    call there are none and the update takes 7.6-8.9 s (`benchmarks/README.md`). The cost is
     that the process keeps its peak heap instead of shrinking between steps.
 
     It sets one malloc arena for all threads, no `mmap` allocations, and no trimming of the

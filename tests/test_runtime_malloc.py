@@ -34,6 +34,8 @@ t.join()
 print(applied, faults[-1])
 """
 
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc")
+
 PAGES = 2**28 // 4096  # pages in the buffer
 
 
@@ -46,7 +48,6 @@ def _probe(env_extra: dict) -> tuple[bool, int]:
     return applied == "True", int(faults)
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_freed_buffers_are_reused_without_page_faults():
     applied, faults = _probe({})
     assert applied
@@ -54,7 +55,6 @@ def test_freed_buffers_are_reused_without_page_faults():
     assert faults < PAGES // 20, f"{faults} page faults for a {PAGES}-page buffer"
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc settings")
 def test_opting_out_keeps_the_system_malloc():
     applied, faults = _probe({"JAXGRPO_SYSTEM_MALLOC": "1"})
     assert not applied
