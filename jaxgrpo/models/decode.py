@@ -17,7 +17,7 @@ on SmolLM2-135M at B=32 on the 2-core CPU (`python benchmarks/generate.py`, prof
 `DecodeLayer` is built from a `Block` (`decode_layer_from_block`) and run by `decode_layer`; it
 computes what `Block.__call__` computes (the tests compare greedy decoding with transformers and
 the sampled log-probs with a full forward pass), with keys and values in the per-layer
-[B, K, S, H] buffers of a `LayerKVCache`, whose prompt part is stored once per prompt and
+per-layer buffers of a `LayerKVCache`, whose prompt part is stored once per prompt and
 shared by its G samples.
 """
 
@@ -126,11 +126,12 @@ def decode_layer(
         x_BTD: residual stream (compute dtype).
         cos / sin: RoPE tables [B, T, 1, H/2].
         mask_BTS: True where query t may attend completion slot s.
-        kv: this layer's completion (k, v) buffers, each [B, K, S, H]; the T new keys and
-            values are written at slots [index, index + T).
+        kv: this layer's completion keys [B, K, H, S] and values [B, K, S, H]; the T new
+            keys and values are written at slots [index, index + T).
         index: int32 scalar, the first slot to write.
-        prompt_kv: this layer's prompt (k, v), each [B / G, K, P, H], shared by the G rows
-            of each prompt; every query attends its prompt's valid slots.
+        prompt_kv: this layer's prompt keys [B / G, K, H, P] and values [B / G, K, P, H],
+            shared by the G rows of each prompt; every query attends its prompt's valid
+            slots.
         prompt_mask: [B / G, P] bool, the valid prompt slots.
         ctx: activation sharding context.
 
@@ -153,15 +154,14 @@ def decode_layer(
     k_BTKH = shard_act(apply_rope(k_BTKH, cos, sin), _KV_AXES, ctx)
     v_BTKH = shard_act(v_BTKH, _KV_AXES, ctx)
 
-    k_BKSH, v_BKSH = kv
-    start = (0, 0, index, 0)
-    k_BKSH = jax.lax.dynamic_update_slice(
-        k_BKSH, k_BTKH.transpose(0, 2, 1, 3).astype(k_BKSH.dtype), start
+    k_BKHS, v_BKSH = kv
+    k_BKHS = jax.lax.dynamic_update_slice(
+        k_BKHS, k_BTKH.transpose(0, 2, 3, 1).astype(k_BKHS.dtype), (0, 0, 0, index)
     )
     v_BKSH = jax.lax.dynamic_update_slice(
-        v_BKSH, v_BTKH.transpose(0, 2, 1, 3).astype(v_BKSH.dtype), start
+        v_BKSH, v_BTKH.transpose(0, 2, 1, 3).astype(v_BKSH.dtype), (0, 0, index, 0)
     )
-    attn_BTNH = attend_shared_prompt(q_BTNH, prompt_kv, prompt_mask, (k_BKSH, v_BKSH), mask_BTS)
+    attn_BTNH = attend_shared_prompt(q_BTNH, prompt_kv, prompt_mask, (k_BKHS, v_BKSH), mask_BTS)
     x_BTD = x_BTD + _project(attn_BTNH.reshape(b, t, -1), w.o, w.o_bias).astype(dtype)
 
     h_BTD = rms_norm(x_BTD, w.mlp_norm, w.eps)
@@ -170,4 +170,4 @@ def decode_layer(
     act_BTF = jax.nn.silu(gate_up_BT2F[..., :f]) * gate_up_BT2F[..., f:]
     act_BTF = shard_act(act_BTF, ("act_batch", "act_length", "act_mlp"), ctx)
     x_BTD = x_BTD + _project(act_BTF, w.down, None).astype(dtype)
-    return shard_act(x_BTD, ("act_batch", "act_length", "act_embed"), ctx), (k_BKSH, v_BKSH)
+    return shard_act(x_BTD, ("act_batch", "act_length", "act_embed"), ctx), (k_BKHS, v_BKSH)

@@ -224,30 +224,30 @@ def attend_shared_prompt(
 
     Args:
         q_RTNH: queries, N = K * M.
-        prompt_kv: keys and values [B, K, P, H] of the prompts.
+        prompt_kv: keys [B, K, H, P] and values [B, K, P, H] of the prompts.
         prompt_mask_BP: True at real (non-pad) prompt slots; every query may attend them.
-        kv: keys and values [R, K, S, H] of the completion slots.
+        kv: keys [R, K, H, S] and values [R, K, S, H] of the completion slots.
         mask_RTS: True where query t may attend completion slot s.
 
     Returns:
         [R, T, N, H] in q's dtype.
     """
     r, t, n, h = q_RTNH.shape
-    (pk_BKPH, pv_BKPH), (k_RKSH, v_RKSH) = prompt_kv, kv
-    b, k, p, _ = pk_BKPH.shape
+    (pk_BKHP, pv_BKPH), (k_RKHS, v_RKSH) = prompt_kv, kv
+    b, k, p, _ = pv_BKPH.shape
     g, m, dtype = r // b, n // k, q_RTNH.dtype
     scale = 1.0 / math.sqrt(h)
     # Prompt part: the group's queries as rows X = G * M * T of one matmul per (b, k).
     q_BKXH = q_RTNH.reshape(b, g, t, k, m, h).transpose(0, 3, 1, 4, 2, 5).reshape(b, k, -1, h)
     prompt_BKXP = jnp.einsum(
-        "BKXH,BKPH->BKXP", q_BKXH, pk_BKPH.astype(dtype), preferred_element_type=jnp.float32
+        "BKXH,BKHP->BKXP", q_BKXH, pk_BKHP.astype(dtype), preferred_element_type=jnp.float32
     )
     prompt_RKMTP = (
         prompt_BKXP.reshape(b, k, g, m, t, p).transpose(0, 2, 1, 3, 4, 5).reshape(r, k, m, t, p)
     )
     q_RKMTH = q_RTNH.reshape(r, t, k, m, h).transpose(0, 2, 3, 1, 4)
     own_RKMTS = jnp.einsum(
-        "RKMTH,RKSH->RKMTS", q_RKMTH, k_RKSH.astype(dtype), preferred_element_type=jnp.float32
+        "RKMTH,RKHS->RKMTS", q_RKMTH, k_RKHS.astype(dtype), preferred_element_type=jnp.float32
     )
     scores = jnp.concatenate([prompt_RKMTP, own_RKMTS], axis=-1) * scale
     prompt_mask_RTP = jnp.broadcast_to(jnp.repeat(prompt_mask_BP, g, axis=0)[:, None, :], (r, t, p))

@@ -164,8 +164,11 @@ def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch):
     np.testing.assert_allclose(np.asarray(unrolled), np.asarray(scanned), rtol=1e-5, atol=1e-5)
     assert len(layer_cache.k) == cfg.num_layers
     b, t = ids.shape
-    assert layer_cache.k[0].shape == (2 * b, cfg.num_kv_heads, t - 8, cfg.head_dim)
-    assert layer_cache.prompt_k[0].shape == (b, cfg.num_kv_heads, 8, cfg.head_dim)
+    kh, h = cfg.num_kv_heads, cfg.head_dim
+    assert layer_cache.k[0].shape == (2 * b, kh, h, t - 8)  # keys [R, K, H, S]
+    assert layer_cache.v[0].shape == (2 * b, kh, t - 8, h)
+    assert layer_cache.prompt_k[0].shape == (b, kh, h, 8)  # the prompt stored once per row b
+    assert layer_cache.prompt_v[0].shape == (b, kh, 8, h)
     assert int(layer_cache.index) == t - 8
 
 
