@@ -90,7 +90,7 @@ class Einsum(nnx.Module):
 
     def __call__(self, x: Array) -> Array:
         x = x.astype(self.dtype)
-        y = jnp.tensordot(x, self.kernel[...].astype(self.dtype), axes=self.n_in)
+        y = project(x, self.kernel[...].astype(self.dtype), self.n_in)
         if self.bias is not None:
             y = y + _lead(self.bias[...].astype(self.dtype), y.ndim)
         if self.lora is not None:
@@ -103,6 +103,47 @@ class Einsum(nnx.Module):
             delta = self.lora.delta_kernel()
             self.kernel[...] = (self.kernel[...] + delta).astype(self.kernel[...].dtype)
             self.lora.zero()
+
+
+def project(x: Array, kernel: Array, n_in: int) -> Array:
+    """`tensordot(x, kernel, n_in)`: x [..., *in] and kernel [*in, *out] -> [..., *out].
+
+    Computed as one 2-D matmul whose backward pass forms the kernel's gradient directly in the
+    kernel's [in, out] layout (`matmul_kernel_grad_in_layout`).
+    """
+    in_shape, out_shape = kernel.shape[:n_in], kernel.shape[n_in:]
+    lead = x.shape[: x.ndim - n_in]
+    y_XO = matmul_kernel_grad_in_layout(
+        x.reshape(-1, math.prod(in_shape)), kernel.reshape(math.prod(in_shape), -1)
+    )
+    return y_XO.reshape(*lead, *out_shape)
+
+
+@jax.custom_vjp
+def matmul_kernel_grad_in_layout(x_XI: Array, w_IO: Array) -> Array:
+    """`x @ w`, with dw formed as `x^T dy` [in, out].
+
+    Autodiff of a projection forms the kernel's gradient as `dy^T x` [out, in] and then
+    transposes it, and XLA:CPU's dot also copies dy into [out, rows] order first. In a full
+    fine-tuning update of the issue-5 workload (`benchmarks/grpo_step.py`) those copies, two
+    per projection per layer, were the largest non-matmul cost. Written as `x^T dy`, only x
+    (the narrower [rows, in] operand for the MLP's up-projections) is transposed.
+    """
+    return x_XI @ w_IO
+
+
+def _matmul_fwd(x_XI, w_IO):
+    return x_XI @ w_IO, (x_XI, w_IO)
+
+
+def _matmul_bwd(residuals, dy_XO):
+    x_XI, w_IO = residuals
+    dx_XI = jnp.einsum("XO,IO->XI", dy_XO, w_IO)
+    dw_IO = jnp.einsum("XI,XO->IO", x_XI, dy_XO)
+    return dx_XI, dw_IO
+
+
+matmul_kernel_grad_in_layout.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 class RMSNorm(nnx.Module):

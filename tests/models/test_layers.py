@@ -11,7 +11,14 @@ import pytest
 from flax import nnx
 
 from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.models.layers import apply_rope, attend, rms_norm, rope_cos_sin, rope_inv_freq
+from jaxgrpo.models.layers import (
+    apply_rope,
+    attend,
+    project,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from jaxgrpo.models.transformer import Transformer, layer_block
 from jaxgrpo.models.weights import load_hf_tensors
 
@@ -165,3 +172,29 @@ def test_fully_masked_query_rows_stay_finite():
     assert bool(jnp.all(jnp.isfinite(out)))
     grads = jax.jit(jax.grad(lambda q: attend(q, k, v, mask).sum()))(q)
     assert bool(jnp.all(jnp.isfinite(grads)))
+
+
+@pytest.mark.parametrize(
+    "x_shape, kernel_shape, n_in",
+    [((2, 5, 12), (12, 3, 4), 1), ((2, 5, 3, 4), (3, 4, 12), 2), ((7, 12), (12, 2, 9), 1)],
+)
+def test_project_and_its_gradients_equal_tensordot(x_shape, kernel_shape, n_in):
+    """`project` (the kernel gradient formed as x^T dy) equals autodiff of `tensordot`:
+    value and both gradients, for q-like [D] -> [N, H], o-like [N, H] -> [D] and gate_up-like
+    [D] -> [2, F] kernels."""
+    kx, kw, ky = jax.random.split(jax.random.key(5), 3)
+    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, kernel_shape)
+    dy = jax.random.normal(ky, x_shape[: len(x_shape) - n_in] + kernel_shape[n_in:])
+
+    def plain(x, w):
+        return jnp.sum(jnp.tensordot(x, w, axes=n_in) * dy)
+
+    def ours(x, w):
+        return jnp.sum(project(x, w, n_in) * dy)
+
+    np.testing.assert_allclose(ours(x, w), plain(x, w), rtol=1e-5)
+    want = jax.grad(plain, argnums=(0, 1))(x, w)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w)
+    for name, g, ref in zip(("dx", "dkernel"), got, want, strict=True):
+        assert g.shape == ref.shape, name
+        np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-4, err_msg=name)
