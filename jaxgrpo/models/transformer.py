@@ -17,6 +17,7 @@ decode matmuls; prefill, training and scoring use the scan.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -168,6 +169,8 @@ class Block(nnx.Module):
         kv: tuple[Array, Array] | None = None,
         layer: Array | None = None,
         index: Array | None = None,
+        prefix_kv: tuple[Array, Array] | None = None,
+        emit_kv: bool = False,
         ctx: ShardingCtx | None = None,
     ) -> tuple[Array, tuple[Array, Array] | None]:
         """One layer on per-layer weights.
@@ -175,14 +178,18 @@ class Block(nnx.Module):
         Args:
             x_BTD: residual stream.
             cos / sin: RoPE tables [B, T, 1, H/2].
-            mask_BTS: True where query t may attend key slot s (S = T without a cache).
+            mask_BTS: True where query t may attend key slot s (S = T without a cache, P + T
+                with `prefix_kv`).
             kv: None, or the whole stacked cache (k, v), each [L, B, S, K, H]; the new keys are
                 written at (layer, :, index) and attention reads the whole of layer `layer`.
             layer / index: this layer's number and the first slot to write (with kv).
+            prefix_kv: without kv, this layer's keys and values [B, P, K, H] of P earlier
+                tokens (a prompt), attended before the T new ones and never written to.
+            emit_kv: without kv, return the T new (k, v) [B, T, K, H] instead of None.
             ctx: activation sharding context.
 
         Returns:
-            (new residual stream, updated (k, v) or None).
+            (new residual stream, updated (k, v), the new (k, v) with `emit_kv`, or None).
         """
         h_BTD = self.attn_norm(x_BTD)
         q_BTNH, k_BTKH, v_BTKH = self.attn.qkv(h_BTD, cos, sin, ctx)
@@ -198,6 +205,12 @@ class Block(nnx.Module):
             k_BTKH = jax.lax.dynamic_index_in_dim(k_LBSKH, layer, 0, keepdims=False)
             v_BTKH = jax.lax.dynamic_index_in_dim(v_LBSKH, layer, 0, keepdims=False)
             kv = (k_LBSKH, v_LBSKH)
+        elif emit_kv:
+            kv = (k_BTKH, v_BTKH)
+        if prefix_kv is not None:
+            pk_BPKH, pv_BPKH = prefix_kv
+            k_BTKH = jnp.concatenate([pk_BPKH.astype(k_BTKH.dtype), k_BTKH], axis=1)
+            v_BTKH = jnp.concatenate([pv_BPKH.astype(v_BTKH.dtype), v_BTKH], axis=1)
         attn_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
         x_BTD = x_BTD + self.attn.o(attn_BTNH).astype(x_BTD.dtype)
         x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD), ctx).astype(x_BTD.dtype)
@@ -261,8 +274,10 @@ class Transformer(nnx.Module):
         cache: KVCache | LayerKVCache | None = None,
         layers: Sequence[DecodeLayer] | None = None,
         attention_BTS: Array | None = None,
-    ) -> tuple[Array, KVCache | LayerKVCache | None]:
-        """Final-normed hidden states, and the updated cache.
+        prefix_kv: tuple[Array, Array] | None = None,
+        return_kv: bool = False,
+    ) -> tuple[Array, Any]:
+        """Final-normed hidden states, and the updated cache (or the new keys and values).
 
         Args:
             input_ids_BT: int token ids [B, T].
@@ -274,14 +289,27 @@ class Transformer(nnx.Module):
             layers: the decode path: `decode_layers()`, run one after the other instead of
                 scanning the stacked weights, on a `LayerKVCache`.
             attention_BTS: bool [B, T, S]: which key slots each query attends, replacing the
-                causal mask over valid slots (S = T, or the cache's size). For packed
-                sequences, where several completions share one row and one prompt.
+                causal mask over valid slots (S = T, the cache's size, or P + T with
+                `prefix_kv`). For packed sequences, where several completions share one row
+                and one prompt.
+            prefix_kv: stacked keys and values [L, B, P, K, H] of P earlier tokens (from a
+                `return_kv` pass over a prompt), attended before the T new ones and not
+                extended: the scoring passes' way to run completions after their prompt
+                without a cache to write into. Needs `positions_BT` and `attention_BTS`.
+            return_kv: without a cache, return the new tokens' keys and values, stacked
+                [L, B, T, K, H], as the second value.
 
         Returns:
-            (h_BTD in the compute dtype, new cache or None).
+            (h_BTD in the compute dtype, the new cache, the (k, v) of `return_kv`, or None).
         """
         cfg, ctx = self.cfg, self.shard_ctx
         b, t = input_ids_BT.shape
+        if prefix_kv is not None and (cache is not None or layers is not None):
+            raise ValueError("hidden(prefix_kv=...) takes no cache or decode layers")
+        if prefix_kv is not None and (positions_BT is None or attention_BTS is None):
+            raise ValueError("hidden(prefix_kv=...) needs positions_BT and attention_BTS")
+        if return_kv and cache is not None:
+            raise ValueError("hidden(return_kv=True) runs without a cache")
         mask_BT = (
             jnp.ones((b, t), jnp.bool_) if attention_mask_BT is None else attention_mask_BT != 0
         )
@@ -298,7 +326,7 @@ class Transformer(nnx.Module):
         else:
             q_pos_T = cache.index + jnp.arange(t)
             key_mask_BS = jax.lax.dynamic_update_slice(cache.mask, mask_BT, (0, cache.index))
-        s = key_mask_BS.shape[1]
+        s = key_mask_BS.shape[1] + (0 if prefix_kv is None else prefix_kv[0].shape[2])
         if attention_BTS is None:
             causal_TS = jnp.arange(s)[None, :] <= q_pos_T[:, None]
             mask_BTS = key_mask_BS[:, None, :] & causal_TS[None, :, :]
@@ -310,7 +338,7 @@ class Transformer(nnx.Module):
         if layers is not None:
             x_BTD, kv = self._run_decode_layers(layers, x_BTD, cos, sin, mask_BTS, cache)
         else:
-            x_BTD, kv = self._run_layers(x_BTD, cos, sin, mask_BTS, cache)
+            x_BTD, kv = self._run_layers(x_BTD, cos, sin, mask_BTS, cache, prefix_kv, return_kv)
         h_BTD = self.final_norm(x_BTD)
         if cache is not None:
             cache = cache.replace(
@@ -320,7 +348,7 @@ class Transformer(nnx.Module):
                 next_pos=cache.next_pos + jnp.sum(mask_BT, axis=1, dtype=jnp.int32),
                 index=cache.index + t,
             )
-        return h_BTD, cache
+        return h_BTD, kv if return_kv else cache
 
     def decode_layers(self) -> list[DecodeLayer]:
         """The L layers as separate `DecodeLayer`s: sliced, adapters folded in, [out, in].
@@ -351,26 +379,37 @@ class Transformer(nnx.Module):
             vs.append(v)
         return x_BTD, (tuple(ks), tuple(vs))
 
-    def _run_layers(self, x_BTD, cos, sin, mask_BTS, cache: KVCache | None):
-        """Scans (or unrolls) the stacked Block over L; carries x and (if decoding) the cache."""
+    def _run_layers(
+        self, x_BTD, cos, sin, mask_BTS, cache: KVCache | None, prefix_kv=None, emit_kv=False
+    ):
+        """Scans (or unrolls) the stacked Block over L; carries x and (if decoding) the cache.
+
+        Without a cache, layer i reads `prefix_kv[.][i]` (if given) as its prefix and, with
+        `emit_kv`, its new keys and values are stacked as the scan's outputs.
+        """
         graphdef, state = nnx.split(self.layers)
         ctx = self.shard_ctx
         index = None if cache is None else cache.index
 
         def body(carry, xs):
             x_BTD, kv = carry
-            layer_state, layer = xs
+            layer_state, layer, prefix = xs
             block = nnx.merge(graphdef, layer_state)
-            x_BTD, kv = block(x_BTD, cos, sin, mask_BTS, kv=kv, layer=layer, index=index, ctx=ctx)
-            return (x_BTD, kv), None
+            x_BTD, out = block(
+                x_BTD, cos, sin, mask_BTS, kv=kv, layer=layer, index=index,
+                prefix_kv=prefix, emit_kv=emit_kv, ctx=ctx,
+            )  # fmt: skip
+            return ((x_BTD, out), None) if kv is not None else ((x_BTD, None), out)
 
         if self.cfg.remat:
             body = jax.checkpoint(body)
         kv0 = None if cache is None else (cache.k, cache.v)
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
-        (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, kv0), (state, layers), unroll=unroll)
-        return x_BTD, kv
+        (x_BTD, kv), new_kv = jax.lax.scan(
+            body, (x_BTD, kv0), (state, layers, prefix_kv), unroll=unroll
+        )
+        return x_BTD, kv if cache is not None else new_kv
 
 
 def layer_block(model: Transformer, i: int) -> Block:

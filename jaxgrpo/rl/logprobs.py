@@ -9,12 +9,15 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
   chunks of `chunk_size` positions whose hand-written VJP (`_head_stats`) recomputes each
   chunk's `[N, C, V]` block instead of storing all of them.
 * Shared prompts. The G samples of a group have the same prompt, which is usually most of the
-  tokens. `shared_prefix_logprobs` runs the prompt once per group into a KV cache (the model's
-  own cache path), repeats the cache G times, and runs only the completions against it. The
-  cache is an ordinary differentiable value, so gradients from all G completions flow back
-  through the repeated keys and values into the prompt pass and sum there: the LoRA (or full)
-  gradients are those of the unshared computation, which `full_sequence_logprobs` implements
-  and the tests compare against.
+  tokens. `shared_prefix_logprobs` runs the prompt once per group, keeping each layer's keys
+  and values (`hidden(return_kv=True)`), and runs only the completions, each layer attending
+  the prompt's keys and values before its own (`hidden(prefix_kv=...)`). Those keys and values
+  are ordinary differentiable values, so gradients from all G completions flow back into the
+  prompt pass and sum there: the LoRA (or full) gradients are those of the unshared
+  computation, which `full_sequence_logprobs` implements and the tests compare against.
+  (The prompt's keys are read per layer, not written into a cache: in a full fine-tuning
+  update, autodiff of a stacked cache that the completion pass extends copied the whole cache
+  at every layer, and the prompt pass attended the empty completion slots too.)
 
 * Padding. Completions of one group differ in length, and padding every one to the longest
   scores mostly padding once a policy answers briefly. With a `Packing`
@@ -35,7 +38,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.models.kv_cache import init_cache
 from jaxgrpo.rl.rollout import Packing
 from jaxgrpo.types import Array, PyTree
 
@@ -206,15 +208,26 @@ def shared_prefix_logprobs(
         return packed_logprobs(
             model, prompt_ids_BP, prompt_mask_BP, tokens_NT, temps_NT, packing, chunk_size
         )
-    b, p = prompt_ids_BP.shape
-    t = tokens_NT.shape[1]
-    cache = init_cache(model.cfg, b, p + t - 1, _compute_dtype(model))
-    h_BPD, cache = model.hidden(prompt_ids_BP, prompt_mask_BP.astype(jnp.int32), cache=cache)
+    n, t = tokens_NT.shape
+    h_BPD, prompt_kv, next_pos_B = _prompt_pass(model, prompt_ids_BP, prompt_mask_BP)
     # Left padding puts every prompt's last token in the last column.
     h_last_ND = jnp.repeat(h_BPD[:, -1], group_size, axis=0)
-    cache = cache.repeat(group_size)
     if t > 1:
-        h_NtD, _ = model.hidden(tokens_NT[:, :-1], mask_NT[:, :-1].astype(jnp.int32), cache=cache)
+        rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
+        own_mask_Nt = mask_NT[:, :-1] != 0
+        causal_tt = jnp.tril(jnp.ones((t - 1, t - 1), jnp.bool_))
+        prompt_NtP = jnp.broadcast_to(
+            rep(prompt_mask_BP != 0, 0)[:, None, :], (n, t - 1, prompt_ids_BP.shape[1])
+        )
+        own_Ntt = causal_tt[None] & own_mask_Nt[:, None, :]
+        positions_Nt = rep(next_pos_B, 0)[:, None] + jnp.cumsum(own_mask_Nt, axis=1) - 1
+        h_NtD, _ = model.hidden(
+            tokens_NT[:, :-1],
+            own_mask_Nt.astype(jnp.int32),
+            positions_BT=jnp.maximum(positions_Nt, 0),
+            prefix_kv=(rep(prompt_kv[0], 1), rep(prompt_kv[1], 1)),
+            attention_BTS=jnp.concatenate([prompt_NtP, own_Ntt], axis=2),
+        )
         h_NTD = jnp.concatenate([h_last_ND[:, None], h_NtD], axis=1)
     else:
         h_NTD = h_last_ND[:, None]
@@ -232,8 +245,8 @@ def packed_logprobs(
 ) -> tuple[Array, Array]:
     """Prefix-shared scoring with each group's completions packed end to end in one row.
 
-    The prompt runs once into a cache of P + L slots; the packed row [B, L] runs against it
-    with positions restarting at each completion's start and a mask that lets a token see the
+    The prompt runs once; the packed row [B, L] runs after it (its keys and values) with
+    positions restarting at each completion's start and a mask that lets a token see the
     prompt and the earlier tokens of its own completion only. The first token of a completion
     is predicted by the prompt's last hidden state, every other one by the packed column
     before it. Columns past a completion's end (per `packing`) come back as 0.
@@ -246,8 +259,7 @@ def packed_logprobs(
     b, p = prompt_ids_BP.shape
     n, t = tokens_NT.shape
     width = packing.src_BL.shape[1]
-    cache = init_cache(model.cfg, b, p + width, _compute_dtype(model))
-    h_BPD, cache = model.hidden(prompt_ids_BP, prompt_mask_BP.astype(jnp.int32), cache=cache)
+    h_BPD, prompt_kv, next_pos_B = _prompt_pass(model, prompt_ids_BP, prompt_mask_BP)
 
     def to_packed(x_NT):
         return jnp.take_along_axis(x_NT.reshape(b, n // b * t), packing.src_BL, axis=1)
@@ -261,8 +273,8 @@ def packed_logprobs(
     h_BLD, _ = model.hidden(
         ids_BL,
         valid_BL.astype(jnp.int32),
-        positions_BT=cache.next_pos[:, None] + pos_BL,
-        cache=cache,
+        positions_BT=next_pos_B[:, None] + pos_BL,
+        prefix_kv=prompt_kv,
         attention_BTS=jnp.concatenate([prompt_BLP, own_BLL], axis=2),
     )
     # Left padding puts every prompt's last token in the last column.
@@ -276,6 +288,14 @@ def packed_logprobs(
         return jnp.take_along_axis(x_BL1, unpack, axis=1).reshape(n, t)
 
     return to_rows(stats[0]), to_rows(stats[1])
+
+
+def _prompt_pass(model: Any, prompt_ids_BP: Array, prompt_mask_BP: Array):
+    """The prompts' hidden states, their stacked keys and values [L, B, P, K, H], and the
+    position id each prompt's first completion token gets."""
+    mask_BP = prompt_mask_BP.astype(jnp.int32)
+    h_BPD, prompt_kv = model.hidden(prompt_ids_BP, mask_BP, return_kv=True)
+    return h_BPD, prompt_kv, jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
 
 
 def _compute_dtype(model: Any):
