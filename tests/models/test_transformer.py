@@ -125,6 +125,44 @@ def test_cached_decoding_equals_full_forward(pair, batch):
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
+def _prefix_pass(model, ids, mask, split):
+    """Tokens [0, split) with `return_kv`, then [split, T) attending them via `prefix_kv`."""
+    h_head, prefix = model.hidden(ids[:, :split], mask[:, :split], return_kv=True)
+    tail_mask = mask[:, split:] != 0
+    t = ids.shape[1] - split
+    causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+    attention = jnp.concatenate(
+        [
+            jnp.broadcast_to(mask[:, None, :split] != 0, (ids.shape[0], t, split)),
+            causal[None] & tail_mask[:, None, :],
+        ],
+        axis=2,
+    )
+    positions = mask[:, :split].sum(1, keepdims=True) + jnp.cumsum(tail_mask, axis=1) - 1
+    h_tail, _ = model.hidden(
+        ids[:, split:], tail_mask, positions_BT=positions, prefix_kv=prefix, attention_BTS=attention
+    )
+    return model.logits(jnp.concatenate([h_head, h_tail], axis=1)), prefix
+
+
+def test_prefix_kv_pass_equals_full_forward(pair, batch):
+    """A prompt pass that returns its keys and values, then the rest attending them as a
+    prefix, reproduces the full forward (1e-5): the scoring passes' prefix sharing."""
+    _, model, _ = pair
+    ids, mask = batch
+    full = np.asarray(_forward(model, ids, mask))
+    split_logits, (k, v) = _prefix_pass(model, ids, mask, 8)
+    cfg = model.cfg
+    assert k.shape == v.shape == (cfg.num_layers, 3, 8, cfg.num_kv_heads, cfg.head_dim)
+    valid = mask.astype(bool)
+    np.testing.assert_allclose(np.asarray(split_logits)[valid], full[valid], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="needs positions_BT and attention_BTS"):
+        model.hidden(ids[:, 8:], mask[:, 8:], prefix_kv=(k, v))
+    with pytest.raises(ValueError, match="runs without a cache"):
+        model.hidden(ids, mask, cache=init_cache(cfg, 3, 12), return_kv=True)
+
+
+@functools.partial(jax.jit, static_argnums=(3,))
 def _decode_paths(model, ids, mask, prefill_len):
     """Last-position logits of each 1-token step after a prefill: scanned stacked layers on a
     `KVCache`, and the decode path (`decode_layers`, adapters merged) on a `LayerKVCache`."""
