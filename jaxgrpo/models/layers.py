@@ -11,6 +11,7 @@ are written for one layer and are called on per-layer slices inside `jax.lax.sca
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -105,45 +106,39 @@ class Einsum(nnx.Module):
             self.lora.zero()
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def project(x: Array, kernel: Array, n_in: int) -> Array:
-    """`tensordot(x, kernel, n_in)`: x [..., *in] and kernel [*in, *out] -> [..., *out].
+    """`tensordot(x, kernel, n_in)`: x [..., *in] and kernel [*in, *out] -> [..., *out], with
+    the kernel's gradient formed as `x^T dy`, directly in the kernel's [in, out] layout.
 
-    Computed as one 2-D matmul whose backward pass forms the kernel's gradient directly in the
-    kernel's [in, out] layout (`matmul_kernel_grad_in_layout`).
+    Autodiff of a projection forms it as `dy^T x` [out, in] and then transposes it, and
+    XLA:CPU's dot also copies dy into [out, rows] order first. In a full fine-tuning update of
+    the issue-5 workload (`benchmarks/grpo_step.py`) those copies, two per projection per
+    layer, were the largest non-matmul cost. Written as `x^T dy`, only x (the narrower
+    [rows, in] operand for the MLP's up-projections) is transposed.
+
+    The saved values are x and the kernel exactly as passed (not reshaped), so a layer scan
+    reuses its per-layer weight slices in the backward pass instead of stacking a copy of them
+    (a reshaped kernel cost a LoRA update 0.5 GB more temporary memory).
     """
-    in_shape, out_shape = kernel.shape[:n_in], kernel.shape[n_in:]
-    lead = x.shape[: x.ndim - n_in]
-    y_XO = matmul_kernel_grad_in_layout(
-        x.reshape(-1, math.prod(in_shape)), kernel.reshape(math.prod(in_shape), -1)
-    )
-    return y_XO.reshape(*lead, *out_shape)
+    return jnp.tensordot(x, kernel, axes=n_in)
 
 
-@jax.custom_vjp
-def matmul_kernel_grad_in_layout(x_XI: Array, w_IO: Array) -> Array:
-    """`x @ w`, with dw formed as `x^T dy` [in, out].
-
-    Autodiff of a projection forms the kernel's gradient as `dy^T x` [out, in] and then
-    transposes it, and XLA:CPU's dot also copies dy into [out, rows] order first. In a full
-    fine-tuning update of the issue-5 workload (`benchmarks/grpo_step.py`) those copies, two
-    per projection per layer, were the largest non-matmul cost. Written as `x^T dy`, only x
-    (the narrower [rows, in] operand for the MLP's up-projections) is transposed.
-    """
-    return x_XI @ w_IO
+def _project_fwd(x, kernel, n_in):
+    return jnp.tensordot(x, kernel, axes=n_in), (x, kernel)
 
 
-def _matmul_fwd(x_XI, w_IO):
-    return x_XI @ w_IO, (x_XI, w_IO)
-
-
-def _matmul_bwd(residuals, dy_XO):
-    x_XI, w_IO = residuals
+def _project_bwd(n_in, residuals, dy):
+    x, kernel = residuals
+    n_features = math.prod(kernel.shape[:n_in])
+    x_XI, w_IO = x.reshape(-1, n_features), kernel.reshape(n_features, -1)
+    dy_XO = dy.reshape(x_XI.shape[0], -1)
     dx_XI = jnp.einsum("XO,IO->XI", dy_XO, w_IO)
     dw_IO = jnp.einsum("XI,XO->IO", x_XI, dy_XO)
-    return dx_XI, dw_IO
+    return dx_XI.reshape(x.shape), dw_IO.reshape(kernel.shape)
 
 
-matmul_kernel_grad_in_layout.defvjp(_matmul_fwd, _matmul_bwd)
+project.defvjp(_project_fwd, _project_bwd)
 
 
 class RMSNorm(nnx.Module):
