@@ -245,8 +245,8 @@ def packed_logprobs(
 ) -> tuple[Array, Array]:
     """Prefix-shared scoring with each group's completions packed end to end in one row.
 
-    The prompt runs once; the packed row [B, L] runs after it (its keys and values) with
-    positions restarting at each completion's start and a mask that lets a token see the
+    The prompt runs once; the packed row [B, L] attends its keys and values, with positions
+    restarting at each completion's start and a mask that lets a token see the
     prompt and the earlier tokens of its own completion only. The first token of a completion
     is predicted by the prompt's last hidden state, every other one by the packed column
     before it. Columns past a completion's end (per `packing`) come back as 0.
