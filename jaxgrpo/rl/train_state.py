@@ -10,8 +10,9 @@ separately and never checkpointed twice.
 `make_update_fn` builds one compiled program per run: gradient accumulation over micro-batches
 (a `lax.scan`, so the number of micro-batches never changes the program size), global-norm
 clipping, AdamW, and a finiteness guard that keeps the old parameters and optimizer state when
-anything is NaN or infinite. Its input and output shardings are stated explicitly and the state
-is donated, so the update happens in place on every device.
+the loss or the gradient's global norm is NaN or infinite (as it is when any gradient element
+is). Its input and output shardings are stated explicitly and the state is donated, so the
+update happens in place on every device.
 """
 
 from __future__ import annotations
@@ -101,8 +102,59 @@ def make_optimizer(
         weight_decay=float(optim_cfg.weight_decay),
     )
     if float(optim_cfg.max_grad_norm) > 0:
-        return optax.chain(optax.clip_by_global_norm(float(optim_cfg.max_grad_norm)), adamw)
+        return optax.chain(clip_by_global_norm(float(optim_cfg.max_grad_norm)), adamw)
     return adamw
+
+
+def sum_of_squares(x: Array) -> Array:
+    """`sum(x ** 2)` in float32, added up slice by slice along the leading axis first.
+
+    XLA:CPU turns a reduction over a large array into a chain of 32-element windowed
+    reductions that runs at about 3 GB/s: 70 ms for the 212 MB gate/up gradient of
+    SmolLM2-135M. Adding the k slices of the leading axis elementwise (one fused loop,
+    vectorised) runs at memory speed and leaves an array k times smaller; this repeats down to
+    a small array, which `jnp.sum` finishes. Only leading axes are split, so every other axis
+    keeps its sharding. The rounding differs from `jnp.sum` only in the order of the additions.
+    """
+    x, squared = x.astype(jnp.float32), False
+    while x.size > _SMALL_REDUCTION and x.ndim > 1:
+        lead = x.shape[0]
+        k = max(d for d in range(1, min(lead, 64) + 1) if lead % d == 0)
+        if k == 1:
+            break
+        parts = list(x.reshape(k, lead // k, *x.shape[1:]))
+        if not squared:  # squared inside the first level's fused loop: one pass over x
+            parts, squared = [p * p for p in parts], True
+        x = sum(parts[1:], parts[0])
+        if x.shape[0] == 1:
+            x = x[0]
+    return jnp.sum(x) if squared else jnp.sum(x * x)
+
+
+_SMALL_REDUCTION = 1 << 16
+
+
+def global_norm(tree: PyTree) -> Array:
+    """The L2 norm of every element of every leaf of `tree` (float32 scalar).
+
+    Not finite exactly when some element is NaN or infinite, or when the norm itself
+    overflows float32 (elements near 1e19): the update's finiteness guard relies on this.
+    """
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(sum(sum_of_squares(x) for x in leaves)) if leaves else jnp.zeros(())
+
+
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+    """`optax.clip_by_global_norm` with `global_norm` (same empty state, same result)."""
+
+    def update(updates, state, params=None):
+        del params
+        norm = global_norm(updates)
+        keep = norm < max_norm
+        clip = lambda g: jnp.where(keep, g, (g / norm.astype(g.dtype)) * max_norm)  # noqa: E731
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 def opt_state_shardings(optimizer: optax.GradientTransformation, params: PyTree, param_sh: PyTree):
@@ -126,12 +178,6 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: PyTree,
         param_sh,
         transform_non_params=lambda _: replicated,
     )
-
-
-def all_finite(tree: PyTree) -> Array:
-    """Returns a bool scalar: every element of every leaf of `tree` is finite."""
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.stack(leaves).all() if leaves else jnp.array(True)
 
 
 def make_update_fn(
@@ -184,7 +230,8 @@ def make_update_fn(
 
     def update(state: TrainState, frozen: PyTree, batch: PyTree, idx_AM: Array):
         grads, loss, metrics = gradients(state.params, frozen, batch, idx_AM)
-        ok = jnp.isfinite(loss) & all_finite(grads)
+        grad_norm = global_norm(grads)
+        ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def apply(state):
             updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
@@ -197,7 +244,7 @@ def make_update_fn(
         new_state = new_state.replace(skipped=state.skipped + (~ok).astype(jnp.int32))
         metrics = dict(metrics)
         metrics["loss"] = loss
-        metrics["grad_norm"] = jnp.where(ok, optax.tree.norm(grads), 0.0)
+        metrics["grad_norm"] = jnp.where(ok, grad_norm, 0.0)
         metrics["update_skipped"] = (~ok).astype(jnp.float32)
         return new_state, metrics
 
