@@ -7,7 +7,8 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
 * Logits. A full `[B, S, V]` float32 logit tensor is the largest array of a step (Qwen's V is
   152k). Logits are computed only at the T positions that predict completion tokens, and in
   chunks of `chunk_size` positions whose hand-written VJP (`_head_stats`) recomputes each
-  chunk's `[N, C, V]` block instead of storing all of them.
+  chunk's `[N, C, V]` block instead of storing all of them, unless all of them together take
+  at most `KEEP_LOG_PROBS_BYTES` (then the backward pass reads them and skips a matmul).
 * Shared prompts. The G samples of a group have the same prompt, which is usually most of the
   tokens. `shared_prefix_logprobs` runs the prompt once per group, keeping each layer's keys
   and values (`hidden(return_kv=True)`), and runs only the completions, each layer attending
@@ -41,20 +42,26 @@ from flax import nnx
 from jaxgrpo.rl.rollout import Packing
 from jaxgrpo.types import Array, PyTree
 
+# Up to this many bytes of [N, T, V] float32 log-probabilities, the backward pass of the
+# head keeps them instead of recomputing the logits (SmolLM2's 32 x 32 completion tokens of
+# the GRPO benchmark: 100 MB held, one [512, 576] x [576, 49152] matmul saved per update).
+KEEP_LOG_PROBS_BYTES = 256 << 20
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _head_stats(
-    h_NCD: Array, w_VD: Array, tokens_NC: Array, temps_NC: Array, dtype: Any
+    h_NCD: Array, w_VD: Array, tokens_NC: Array, temps_NC: Array, dtype: Any, keep: bool
 ) -> tuple[Array, Array]:
     """Log-prob of `tokens_NC` and entropy under `softmax(h @ w.T / temperature)`.
 
     The backward pass is written by hand. Autodiff of the log-softmax keeps several [N, C, V]
-    intermediates and walks them more often than needed; this backward recomputes the logits
-    (one matmul, so nothing [N, C, V] is kept between the passes) and forms d(loss)/d(logits)
-    in one fused pass:
-    dlogp * (onehot - p) - dentropy * p * (log p + entropy), all over the temperature.
+    intermediates and walks them more often than needed; this backward forms
+    d(loss)/d(logits) in one fused pass,
+    dlogp * (onehot - p) - dentropy * p * (log p + entropy), all over the temperature,
+    from the [N, C, V] log-probabilities: kept from the forward pass when `keep`, else
+    recomputed (one matmul, so nothing [N, C, V] is held between the passes).
     """
-    return _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype)[0]
+    return _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype, keep)[0]
 
 
 def _head_logits(h_NCD, w_VD, dtype):
@@ -63,20 +70,24 @@ def _head_logits(h_NCD, w_VD, dtype):
     )
 
 
-def _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype):
+def _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype, keep):
     z_NCV = _head_logits(h_NCD, w_VD, dtype) / temps_NC[..., None]
     lse_NC = jax.nn.logsumexp(z_NCV, axis=-1)
     logp_NC = jnp.take_along_axis(z_NCV, tokens_NC[..., None], axis=-1)[..., 0] - lse_NC
     logq_NCV = z_NCV - lse_NC[..., None]
     entropy_NC = -jnp.sum(jnp.exp(logq_NCV) * logq_NCV, axis=-1)
-    return (logp_NC, entropy_NC), (h_NCD, w_VD, tokens_NC, temps_NC, lse_NC, entropy_NC)
+    kept = logq_NCV if keep else lse_NC
+    return (logp_NC, entropy_NC), (h_NCD, w_VD, tokens_NC, temps_NC, kept, entropy_NC)
 
 
-def _head_stats_bwd(dtype, residuals, cotangents):
-    h_NCD, w_VD, tokens_NC, temps_NC, lse_NC, entropy_NC = residuals
+def _head_stats_bwd(dtype, keep, residuals, cotangents):
+    h_NCD, w_VD, tokens_NC, temps_NC, kept, entropy_NC = residuals
     dlogp_NC, dent_NC = cotangents
-    z_NCV = _head_logits(h_NCD, w_VD, dtype) / temps_NC[..., None]
-    logq_NCV = z_NCV - lse_NC[..., None]
+    if keep:
+        logq_NCV = kept
+    else:
+        z_NCV = _head_logits(h_NCD, w_VD, dtype) / temps_NC[..., None]
+        logq_NCV = z_NCV - kept[..., None]
     dz_NCV = -jnp.exp(logq_NCV) * (
         dlogp_NC[..., None] + dent_NC[..., None] * (logq_NCV + entropy_NC[..., None])
     )
@@ -129,9 +140,11 @@ def head_token_logprobs(
     def split(x):
         return jnp.swapaxes(x.reshape((n, n_chunks, c) + x.shape[2:]), 0, 1)
 
+    keep = n * n_chunks * c * w_VD.shape[0] * 4 <= KEEP_LOG_PROBS_BYTES
+
     def stats(_, xs):
         h_NCD, tokens_NC, temps_NC = xs
-        return None, _head_stats(h_NCD, w_VD, tokens_NC, temps_NC, dtype)
+        return None, _head_stats(h_NCD, w_VD, tokens_NC, temps_NC, dtype, keep)
 
     _, (logp, ent) = jax.lax.scan(stats, None, (split(h_NTD), split(tokens_NT), split(temps_NT)))
 

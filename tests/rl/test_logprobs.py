@@ -114,8 +114,11 @@ def test_head_token_logprobs_any_chunk_size(chunk_size):
     np.testing.assert_allclose(ent, want_ent, atol=1e-5)
 
 
-def test_head_vjp_equals_autodiff():
-    """The hand-written backward of the LM-head statistics equals autodiff of the plain ones."""
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
+def test_head_vjp_equals_autodiff(keep, monkeypatch):
+    """The hand-written backward of the LM-head statistics equals autodiff of the plain ones,
+    with the [N, T, V] log-probabilities kept from the forward pass or recomputed."""
+    monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", lp.KEEP_LOG_PROBS_BYTES if keep else 0)
     rng, h, w, tokens, temps = _head_case(3)
     a, c = (jnp.asarray(rng.normal(size=(3, 7)), jnp.float32) for _ in range(2))
 
@@ -211,8 +214,10 @@ def _shapes(jaxpr):
                     yield from _shapes(inner)
 
 
-def test_no_full_vocabulary_logits_for_the_whole_sequence():
-    """Forward and backward never hold logits for more than one chunk of positions."""
+def test_no_full_vocabulary_logits_for_the_whole_sequence(monkeypatch):
+    """Past the keep budget, forward and backward never hold logits for more than one chunk
+    of positions."""
+    monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", 0)
     model = _model(lora=True)
     graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
     batch = _batch()
