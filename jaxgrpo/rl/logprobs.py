@@ -43,8 +43,8 @@ from jaxgrpo.rl.rollout import Packing
 from jaxgrpo.types import Array, PyTree
 
 # Up to this many bytes of [N, T, V] float32 log-probabilities, the backward pass of the
-# head keeps them instead of recomputing the logits (SmolLM2's 32 x 32 completion tokens of
-# the GRPO benchmark: 100 MB held, one [512, 576] x [576, 49152] matmul saved per update).
+# head keeps them instead of recomputing the logits (the GRPO benchmark's 512 packed
+# positions x SmolLM2's 49,152 tokens: 100 MB held, a [512, 576] x [576, 49152] matmul saved).
 KEEP_LOG_PROBS_BYTES = 256 << 20
 
 
