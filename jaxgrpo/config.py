@@ -95,6 +95,7 @@ class RLConfig:
     grad_accum: int
     mask_truncated: bool
     pack_completions: bool
+    share_prompt_prefix: bool
     dynamic_sampling: bool
     dynamic_sampling_max_draws: int
     ref_reset_every: int

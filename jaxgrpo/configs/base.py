@@ -73,6 +73,7 @@ def _rl() -> ConfigDict:
     c.grad_accum = 1  # micro-batches accumulated per optimizer update (exact global normaliser)
     c.mask_truncated = False  # exclude completions that hit max_new_tokens from the loss
     c.pack_completions = True  # score a group's completions end to end in one row (less padding)
+    c.share_prompt_prefix = True  # score the tokens all prompts begin with once per batch
     c.dynamic_sampling = False  # drop zero-variance groups and draw more prompts to refill (DAPO)
     c.dynamic_sampling_max_draws = 3  # cap on sampling rounds per step for dynamic sampling
     c.ref_reset_every = 0  # every N steps the reference becomes the current policy; 0 = never

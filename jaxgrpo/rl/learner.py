@@ -177,9 +177,10 @@ class Learner:
             )
             if self.rl.pack_completions
             else None,
+            shared_ids=self.replicated,
         )
 
-    def _scalar(self, value, dtype) -> jax.Array:
+    def _replicate(self, value, dtype) -> jax.Array:
         x = np.asarray(value, dtype)
         return jax.make_array_from_callback(x.shape, self.replicated, lambda _: x)
 
@@ -193,10 +194,10 @@ class Learner:
         return TrainState(
             params=params,
             opt_state=self._opt_init(params),
-            step=self._scalar(0, np.int32),
-            rng=self._scalar(key, np.uint32),
+            step=self._replicate(0, np.int32),
+            rng=self._replicate(key, np.uint32),
             ref_params=ref,
-            skipped=self._scalar(0, np.int32),
+            skipped=self._replicate(0, np.int32),
         )
 
     # ------------------------------------------------------------------------------------------
@@ -335,14 +336,18 @@ class Learner:
         loss_mask = r.mask * (~truncated[:, None]) if self.rl.mask_truncated else r.mask
         loss_mask = loss_mask[:, :t]
         tokens, mask, temps = r.tokens[:, :t], r.mask[:, :t], r.temps[:, :t]
-        inputs = (put(r.prompt_ids), put(r.prompt_mask), put(tokens), put(mask), put(temps))
+        shared, prompt_ids, prompt_mask = np.zeros((1, 0), np.int32), r.prompt_ids, r.prompt_mask
+        if self.rl.share_prompt_prefix:
+            shared, prompt_ids, prompt_mask = ro.split_common_prefix(prompt_ids, prompt_mask)
+        shared = self._replicate(shared, np.int32)
+        inputs = (put(prompt_ids), put(prompt_mask), put(tokens), put(mask), put(temps))
         zeros = np.zeros(tokens.shape, np.float32)
         sampler_logp = put(r.logprobs[:, :t].astype(np.float32))
         ref_logp = old_logp = put(zeros)
         if self.needs_ref:
-            ref_logp = self._logprobs(state.ref_params, self.frozen, *inputs, packing)[0]
+            ref_logp = self._logprobs(state.ref_params, self.frozen, *inputs, packing, shared)[0]
         if self.old_from == "forward":
-            old_logp = self._logprobs(state.params, self.frozen, *inputs, packing)[0]
+            old_logp = self._logprobs(state.params, self.frozen, *inputs, packing, shared)[0]
         elif self.old_from == "sampler":
             old_logp = sampler_logp
         rewards = r.rewards
@@ -365,6 +370,7 @@ class Learner:
             ref_logp=ref_logp,
             advantages=put(adv.astype(np.float32)),
             packing=packing,
+            shared_ids=shared,
         )
         return batch, extra
 
@@ -378,7 +384,7 @@ class Learner:
             perm = rng.permutation(b).astype(np.int32)
             for idx_AM in perm.reshape(self.rl.num_minibatches, a, m):
                 state, metrics = self._update(
-                    state, self.frozen, batch, self._scalar(idx_AM, np.int32)
+                    state, self.frozen, batch, self._replicate(idx_AM, np.int32)
                 )
                 history.append(metrics)
         return state, step_metrics.reduce_updates(history)

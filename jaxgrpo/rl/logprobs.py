@@ -19,6 +19,9 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
   (The prompt's keys are read per layer, not written into a cache: in a full fine-tuning
   update, autodiff of a stacked cache that the completion pass extends copied the whole cache
   at every layer, and the prompt pass attended the empty completion slots too.)
+  One level up, the prompts of a batch usually begin alike (a system prompt, worked
+  examples): with `shared_ids` those tokens run once for the whole batch and the prompts'
+  own tokens attend their keys and values (`jaxgrpo.rl.rollout.split_common_prefix`).
 
 * Padding. Completions of one group differ in length, and padding every one to the longest
   scores mostly padding once a policy answers briefly. With a `Packing`
@@ -197,11 +200,13 @@ def shared_prefix_logprobs(
     group_size: int,
     chunk_size: int = 64,
     packing: Packing | None = None,
+    shared_ids: Array | None = None,
 ) -> tuple[Array, Array]:
     """Prefix-shared scoring: each prompt runs once, its G completions against its KV cache.
 
     Equal to `full_sequence_logprobs` on the prompts repeated G times (row b*G + g is sample g
-    of prompt b), in values and in gradients.
+    of prompt b), in values and in gradients; with `shared_ids`, on those tokens followed by
+    each prompt.
 
     Args:
         model: a `Transformer` (its `hidden` accepts a `KVCache`).
@@ -213,25 +218,34 @@ def shared_prefix_logprobs(
         group_size: G, completions per prompt.
         chunk_size: positions per logits block.
         packing: score each group's completions packed into one row (see `packed_logprobs`).
+        shared_ids: int32 [1, C] tokens that precede every prompt, run once for the whole
+            batch (`jaxgrpo.rl.rollout.split_common_prefix`); None or C = 0: none.
 
     Returns:
         (logp_NT, entropy_NT), float32.
     """
     if packing is not None:
         return packed_logprobs(
-            model, prompt_ids_BP, prompt_mask_BP, tokens_NT, temps_NT, packing, chunk_size
+            model,
+            prompt_ids_BP,
+            prompt_mask_BP,
+            tokens_NT,
+            temps_NT,
+            packing,
+            chunk_size,
+            shared_ids,
         )
     n, t = tokens_NT.shape
-    h_BPD, prompt_kv, next_pos_B = _prompt_pass(model, prompt_ids_BP, prompt_mask_BP)
+    h_BPD, prompt_kv, slots_BK, next_pos_B = _prompt_pass(
+        model, prompt_ids_BP, prompt_mask_BP, shared_ids
+    )
     # Left padding puts every prompt's last token in the last column.
     h_last_ND = jnp.repeat(h_BPD[:, -1], group_size, axis=0)
     if t > 1:
         rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
         own_mask_Nt = mask_NT[:, :-1] != 0
         causal_tt = jnp.tril(jnp.ones((t - 1, t - 1), jnp.bool_))
-        prompt_NtP = jnp.broadcast_to(
-            rep(prompt_mask_BP != 0, 0)[:, None, :], (n, t - 1, prompt_ids_BP.shape[1])
-        )
+        prompt_NtK = jnp.broadcast_to(rep(slots_BK, 0)[:, None, :], (n, t - 1, slots_BK.shape[1]))
         own_Ntt = causal_tt[None] & own_mask_Nt[:, None, :]
         positions_Nt = rep(next_pos_B, 0)[:, None] + jnp.cumsum(own_mask_Nt, axis=1) - 1
         h_NtD, _ = model.hidden(
@@ -239,7 +253,7 @@ def shared_prefix_logprobs(
             own_mask_Nt.astype(jnp.int32),
             positions_BT=jnp.maximum(positions_Nt, 0),
             prefix_kv=(rep(prompt_kv[0], 1), rep(prompt_kv[1], 1)),
-            attention_BTS=jnp.concatenate([prompt_NtP, own_Ntt], axis=2),
+            attention_BTS=jnp.concatenate([prompt_NtK, own_Ntt], axis=2),
         )
         h_NTD = jnp.concatenate([h_last_ND[:, None], h_NtD], axis=1)
     else:
@@ -255,6 +269,7 @@ def packed_logprobs(
     temps_NT: Array,
     packing: Packing,
     chunk_size: int = 64,
+    shared_ids: Array | None = None,
 ) -> tuple[Array, Array]:
     """Prefix-shared scoring with each group's completions packed end to end in one row.
 
@@ -269,10 +284,12 @@ def packed_logprobs(
     Returns:
         (logp_NT, entropy_NT), float32.
     """
-    b, p = prompt_ids_BP.shape
+    b = prompt_ids_BP.shape[0]
     n, t = tokens_NT.shape
     width = packing.src_BL.shape[1]
-    h_BPD, prompt_kv, next_pos_B = _prompt_pass(model, prompt_ids_BP, prompt_mask_BP)
+    h_BPD, prompt_kv, slots_BK, next_pos_B = _prompt_pass(
+        model, prompt_ids_BP, prompt_mask_BP, shared_ids
+    )
 
     def to_packed(x_NT):
         return jnp.take_along_axis(x_NT.reshape(b, n // b * t), packing.src_BL, axis=1)
@@ -282,13 +299,13 @@ def packed_logprobs(
     valid_BL = seg_BL >= 0
     causal_LL = jnp.tril(jnp.ones((width, width), jnp.bool_))
     own_BLL = (seg_BL[:, :, None] == seg_BL[:, None, :]) & causal_LL[None] & valid_BL[:, None, :]
-    prompt_BLP = jnp.broadcast_to(prompt_mask_BP[:, None, :] != 0, (b, width, p))
+    prompt_BLK = jnp.broadcast_to(slots_BK[:, None, :], (b, width, slots_BK.shape[1]))
     h_BLD, _ = model.hidden(
         ids_BL,
         valid_BL.astype(jnp.int32),
         positions_BT=next_pos_B[:, None] + pos_BL,
         prefix_kv=prompt_kv,
-        attention_BTS=jnp.concatenate([prompt_BLP, own_BLL], axis=2),
+        attention_BTS=jnp.concatenate([prompt_BLK, own_BLL], axis=2),
     )
     # Left padding puts every prompt's last token in the last column.
     h_prev_BLD = jnp.concatenate([h_BPD[:, -1:], h_BLD[:, :-1]], axis=1)
@@ -303,12 +320,40 @@ def packed_logprobs(
     return to_rows(stats[0]), to_rows(stats[1])
 
 
-def _prompt_pass(model: Any, prompt_ids_BP: Array, prompt_mask_BP: Array):
-    """The prompts' hidden states, their stacked keys and values [L, B, P, K, H], and the
-    position id each prompt's first completion token gets."""
+def _prompt_pass(model: Any, prompt_ids_BP: Array, prompt_mask_BP: Array, shared_1C=None):
+    """Runs the prompts: their hidden states, keys and values, and what the completions need.
+
+    With `shared_1C` (C > 0 tokens every prompt begins with, see
+    `jaxgrpo.rl.rollout.split_common_prefix`), that prefix runs once as one row and the
+    [B, P] prompts are what follows it: they attend its keys and values, which are broadcast
+    to every prompt (so their gradients sum over the prompts, as in the unshared pass).
+
+    Returns:
+        (h_BPD, the stacked keys and values [L, B, K, H] of the K = C + P prompt slots, which
+        of those slots hold tokens [B, K], the position id of each prompt's first completion
+        token [B]).
+    """
     mask_BP = prompt_mask_BP.astype(jnp.int32)
-    h_BPD, prompt_kv = model.hidden(prompt_ids_BP, mask_BP, return_kv=True)
-    return h_BPD, prompt_kv, jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
+    valid_BP = mask_BP != 0
+    c = 0 if shared_1C is None else shared_1C.shape[1]
+    if c == 0:
+        h_BPD, kv = model.hidden(prompt_ids_BP, mask_BP, return_kv=True)
+        return h_BPD, kv, valid_BP, jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
+    b, p = prompt_ids_BP.shape
+    _, shared_kv = model.hidden(shared_1C, return_kv=True)
+    wide_kv = tuple(jnp.broadcast_to(x, (x.shape[0], b) + x.shape[2:]) for x in shared_kv)
+    own_BPP = jnp.tril(jnp.ones((p, p), jnp.bool_))[None] & valid_BP[:, None, :]
+    h_BPD, own_kv = model.hidden(
+        prompt_ids_BP,
+        mask_BP,
+        positions_BT=c + jnp.maximum(jnp.cumsum(mask_BP, axis=1) - 1, 0),
+        prefix_kv=wide_kv,
+        attention_BTS=jnp.concatenate([jnp.ones((b, p, c), jnp.bool_), own_BPP], axis=2),
+        return_kv=True,
+    )
+    kv = tuple(jnp.concatenate(pair, axis=2) for pair in zip(wide_kv, own_kv, strict=True))
+    slots_BK = jnp.concatenate([jnp.ones((b, c), jnp.bool_), valid_BP], axis=1)
+    return h_BPD, kv, slots_BK, c + jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
 
 
 def _compute_dtype(model: Any):
@@ -336,11 +381,19 @@ def make_logprobs_fn(
 
     Returns:
         `fn(trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT,
-        packing=None) -> (logp_NT, entropy_NT)`.
+        packing=None, shared_ids=None) -> (logp_NT, entropy_NT)`.
     """
 
     def fn(
-        trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT, packing=None
+        trainable,
+        frozen,
+        prompt_ids_BP,
+        prompt_mask_BP,
+        tokens_NT,
+        mask_NT,
+        temps_NT,
+        packing=None,
+        shared_ids=None,
     ):
         model = nnx.merge(graphdef, trainable, frozen)
         return shared_prefix_logprobs(
@@ -353,6 +406,7 @@ def make_logprobs_fn(
             group_size=group_size,
             chunk_size=chunk_size,
             packing=packing,
+            shared_ids=shared_ids,
         )
 
     kwargs = {}

@@ -104,6 +104,7 @@ def make_loss_fn(
             group_size=g,
             chunk_size=spec.chunk_size,
             packing=packing,
+            shared_ids=batch.shared_ids,
         )
         sampler_logp = take(batch.sampler_logp, rows)
         old_logp = take(batch.old_logp, rows) if spec.use_old_logp else None

@@ -69,6 +69,51 @@ def trim_prompts(ids_BP: np.ndarray, mask_BP: np.ndarray) -> tuple[np.ndarray, n
     return (ids_BP, mask_BP) if keep >= ids_BP.shape[1] else (ids_BP[:, -keep:], mask_BP[:, -keep:])
 
 
+def split_common_prefix(
+    ids_BP: np.ndarray, mask_BP: np.ndarray, *, min_length: int = 16, multiple: int = 8
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Splits left-padded prompts into the tokens they all begin with and their own suffixes.
+
+    GRPO prompts usually share a system prompt and worked examples (format_copy: 76 of its 87
+    tokens), and the scoring passes then run that prefix once per batch instead of once per
+    prompt. The shared length C is the common prefix rounded down to a multiple of `multiple`
+    (so the compiled shapes rarely change from step to step), leaving each prompt at least
+    one token of its own (its last one predicts the first completion token).
+
+    Args:
+        ids_BP: int32 [B, P] left-padded prompts.
+        mask_BP: int32 [B, P], 1 on real tokens.
+        min_length: share nothing when fewer tokens would be shared (or B < 2).
+        multiple: C is a multiple of this.
+
+    Returns:
+        (shared_1C, suffix ids [B, S], suffix mask [B, S]): the suffixes left-padded (with 0)
+        to a half-octave bucket S. When nothing is shared, C = 0 and the suffixes are the
+        prompts unchanged.
+    """
+    b, p = ids_BP.shape
+    lengths_B = mask_BP.sum(axis=1).astype(np.int64)
+    nothing = (np.zeros((1, 0), np.int32), ids_BP, mask_BP)
+    if b < 2 or int(lengths_B.min()) <= min_length:
+        return nothing
+    shortest = int(lengths_B.min())
+    starts_B = p - lengths_B
+    heads_BK = np.stack([ids_BP[i, start : start + shortest] for i, start in enumerate(starts_B)])
+    differs = np.flatnonzero(np.any(heads_BK != heads_BK[:1], axis=0))
+    common = int(differs[0]) if differs.size else shortest
+    c = min(common, shortest - 1) // multiple * multiple
+    if c < min_length:
+        return nothing
+    own_B = lengths_B - c
+    s = bucket_length(int(own_B.max()), min_bucket=8, half_octaves=True)
+    ids_BS = np.zeros((b, s), np.int32)
+    mask_BS = np.zeros((b, s), np.int32)
+    for i, n in enumerate(own_B):
+        ids_BS[i, s - n :] = ids_BP[i, p - n :]
+        mask_BS[i, s - n :] = 1
+    return heads_BK[:1, :c].astype(np.int32), ids_BS, mask_BS
+
+
 def completion_bucket(lengths_N: np.ndarray, max_new_tokens: int) -> int:
     """Columns of the completions the scoring passes need: the longest one's power-of-two bucket.
 
@@ -140,7 +185,7 @@ class RolloutBatch:
     """Device arrays of one step's training batch (B prompts, N = B * G completions).
 
     Attributes:
-        prompt_ids: int32 [B, P] left-padded prompts.
+        prompt_ids: int32 [B, P] left-padded prompts (what follows `shared_ids`).
         prompt_mask: int32 [B, P].
         tokens: int32 [N, T] completions (row b*G + g is sample g of prompt b).
         mask: int32 [N, T] loss mask (sampler mask, zeroed for truncated rows when masking).
@@ -152,6 +197,8 @@ class RolloutBatch:
         advantages: float32 [N].
         packing: `Packing` of the groups' completions for the scoring passes, or None to score
             each completion in its own row.
+        shared_ids: int32 [1, C] tokens every prompt begins with (`split_common_prefix`);
+            `prompt_ids` then hold only what follows them. None or C = 0: nothing shared.
     """
 
     prompt_ids: Array
@@ -164,6 +211,7 @@ class RolloutBatch:
     ref_logp: Array
     advantages: Array
     packing: Packing | None = None
+    shared_ids: Array | None = None
 
 
 @dataclasses.dataclass

@@ -312,6 +312,44 @@ def test_trimmed_and_packed_scoring_change_nothing(monkeypatch):
         np.testing.assert_allclose(c, b, atol=PARAM_ATOL)
 
 
+def test_sharing_the_prompts_common_prefix_changes_nothing():
+    """With prompts that begin alike (a system prompt), the scoring passes run those tokens
+    once for the batch; the reference log-probs and the parameters after one update equal
+    those of scoring every prompt whole."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    learner, _ = make_learner({"data": 1}, jax.devices()[:1])
+    b, g = learner.rl.prompts_per_step, learner.rl.group_size
+    rng = np.random.default_rng(3)
+    rollout = _rollout(rng.normal(size=(b, g)), prompt_len=40)
+    system = rng.integers(3, 200, 27)
+    for i in range(b):  # 27 common tokens, then 2 to 5 of each prompt's own, left-padded
+        own = rng.integers(3, 200, 2 + i % 4)
+        row = np.concatenate([system, own])
+        rollout.prompt_ids[i], rollout.prompt_mask[i] = 0, 0
+        rollout.prompt_ids[i, -len(row) :], rollout.prompt_mask[i, -len(row) :] = row, 1
+
+    def one_update(state):
+        batch, _ = learner._prepare(state, rollout)
+        k_shuffle = learner._advance(state.step, state.rng)[3]
+        state, _ = learner._optimize(state, batch, k_shuffle)
+        return batch.shared_ids.shape, to_host(batch.ref_logp), host_params(state)
+
+    state0 = learner.init_state()
+    copy = lambda s: jax.tree.map(jnp.copy, s)  # noqa: E731  (the update donates its state)
+    shared_shape, shared_ref, shared = one_update(copy(state0))
+    learner.rl = dataclasses.replace(learner.rl, share_prompt_prefix=False)
+    whole_shape, whole_ref, whole = one_update(copy(state0))
+    assert (shared_shape, whole_shape) == ((1, 24), (1, 0))
+    np.testing.assert_allclose(shared_ref, whole_ref, atol=1e-5)
+    moved = max(float(np.abs(a - c).max()) for a, c in zip(whole, host_params(state0), strict=True))
+    assert moved > 1e-4, "the update must move the parameters for the comparison to mean much"
+    for a, c in zip(shared, whole, strict=True):
+        np.testing.assert_allclose(a, c, atol=PARAM_ATOL)
+
+
 def test_prompt_trimming_keeps_every_prompt_token():
     from jaxgrpo.rl import rollout as ro
 

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rl import logprobs as lp
-from jaxgrpo.rl.rollout import pack
+from jaxgrpo.rl.rollout import pack, split_common_prefix
 from jaxgrpo.rl.tiny import tiny_model_config
 
 B, G, P, T = 2, 3, 8, 6
@@ -183,6 +183,83 @@ def test_shared_prefix_gradients_equal_unshared(packed):
     for (path, gs), gf in zip(paths_s, flat_f, strict=True):
         assert float(jnp.abs(gf).max()) > 1e-6, f"trivially zero gradient at {path}"
         np.testing.assert_allclose(gs, gf, atol=ATOL, rtol=1e-4, err_msg=str(path))
+
+
+def _common_prefix_batch():
+    """Prompts of 22 and 20 tokens whose first 19 agree (shared: 16, the multiple of 8 below),
+    left-padded to 24, with the completions of `_batch`."""
+    rng = np.random.default_rng(4)
+    common = rng.integers(3, 300, 19)
+    rows = [np.concatenate([common, rng.integers(3, 300, n)]) for n in (3, 1)]
+    prompt_ids = np.zeros((B, 24), np.int32)
+    prompt_mask = np.zeros((B, 24), np.int32)
+    for i, row in enumerate(rows):
+        prompt_ids[i, 24 - len(row) :], prompt_mask[i, 24 - len(row) :] = row, 1
+    return (prompt_ids, prompt_mask, *_batch()[2:])
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_common_prefix_scores_and_gradients_equal_unshared(packed):
+    """Running the prompts' common prefix once for the batch (`shared_ids`) gives the log-probs
+    and entropies of the plain forward over the whole prompts, and the gradients (w.r.t. every
+    weight, LoRA included) of G separate full passes."""
+    model = _model(lora=True)
+    graphdef, params = nnx.split(model, nnx.Param)
+    batch = _common_prefix_batch()
+    shared, ids, mask = split_common_prefix(batch[0], batch[1])
+    assert shared.shape == (1, 16) and ids.shape == (B, 8)
+    assert mask.sum(axis=1).tolist() == [22 - 16, 20 - 16]
+    split_batch = (ids, mask, *batch[2:])
+    packing = _packing(batch) if packed else None
+    weights = jnp.asarray(np.random.default_rng(1).normal(size=(B * G, T)), jnp.float32)
+    loss_mask = jnp.asarray(batch[3], jnp.float32)
+
+    def shared_pass(m):
+        return lp.shared_prefix_logprobs(
+            m, *split_batch, group_size=G, chunk_size=4, packing=packing,
+            shared_ids=jnp.asarray(shared),
+        )  # fmt: skip
+
+    def unshared(m):
+        p_ids, p_mask = np.repeat(batch[0], G, 0), np.repeat(batch[1], G, 0)
+        return lp.full_sequence_logprobs(m, p_ids, p_mask, *batch[2:], chunk_size=4)
+
+    def objective(params, scorer):
+        logp, ent = scorer(nnx.merge(graphdef, params))
+        return jnp.sum((weights * logp + 0.3 * ent) * loss_mask), (logp, ent)
+
+    grad = lambda scorer: jax.jit(jax.grad(lambda p: objective(p, scorer), has_aux=True))  # noqa: E731
+    g_shared, (logp, ent) = grad(shared_pass)(params)
+    g_full, (want_logp, want_ent) = grad(unshared)(params)
+    on = batch[3].astype(bool)
+    np.testing.assert_allclose(np.where(on, logp, 0), np.where(on, want_logp, 0), atol=ATOL)
+    np.testing.assert_allclose(np.where(on, ent, 0), np.where(on, want_ent, 0), atol=ATOL)
+    paths = jax.tree_util.tree_flatten_with_path(g_shared)[0]
+    for (path, gs), gf in zip(paths, jax.tree.leaves(g_full), strict=True):
+        assert float(jnp.abs(gf).max()) > 1e-6, f"trivially zero gradient at {path}"
+        np.testing.assert_allclose(gs, gf, atol=ATOL, rtol=1e-4, err_msg=str(path))
+
+
+def test_split_common_prefix_shares_only_what_every_prompt_begins_with():
+    ids, mask = _common_prefix_batch()[:2]
+    # Fewer than min_length common tokens, a single prompt, or prompts that differ at once.
+    assert split_common_prefix(ids, mask, min_length=24)[0].shape == (1, 0)
+    assert split_common_prefix(ids[:1], mask[:1])[0].shape == (1, 0)
+    other = ids.copy()
+    other[1, -20] += 1  # prompt 1's first token
+    shared, same_ids, same_mask = split_common_prefix(other, mask)
+    assert shared.shape == (1, 0) and same_ids is other and same_mask is mask
+    # Rounded down to the multiple; each prompt keeps at least its own last token.
+    shared, suffix, suffix_mask = split_common_prefix(ids, mask, min_length=4, multiple=4)
+    assert shared.shape == (1, 16)
+    twins = np.tile(ids[1:], (2, 1)), np.tile(mask[1:], (2, 1))  # two identical prompts
+    shared, suffix, suffix_mask = split_common_prefix(*twins, min_length=4, multiple=1)
+    assert shared.shape == (1, 19) and suffix_mask.sum(axis=1).tolist() == [1, 1]
+    # The shared tokens followed by each suffix are the prompt again.
+    shared, suffix, suffix_mask = split_common_prefix(ids, mask)
+    for i in range(B):
+        whole = np.concatenate([shared[0], suffix[i][suffix_mask[i] > 0]])
+        assert whole.tolist() == ids[i][mask[i] > 0].tolist()
 
 
 def test_pack_places_every_token_once():
