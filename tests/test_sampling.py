@@ -396,20 +396,23 @@ def test_sharded_8_devices_equals_one(tiny):
     np.testing.assert_allclose(eight.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
 
 
-def test_compacting_finished_rows_changes_no_completion(tiny):
-    """Decoding only the still-running rows once at most `compact_rows` are left gives the same
-    tokens, masks and stop reasons, and logprobs within 1e-5, as decoding every row to the end
-    (row r draws the same random numbers wherever it sits in the batch)."""
+@pytest.mark.parametrize("compact_rows", [4, (8, 2), (4, 2, 1)])
+def test_compacting_finished_rows_changes_no_completion(tiny, compact_rows):
+    """Decoding only the still-running rows once at most `compact_rows` are left (at each
+    level in turn) gives the same tokens, masks and stop reasons, and logprobs within 1e-5,
+    as decoding every row to the end (row r draws the same random numbers wherever it sits
+    in the batch)."""
     model, ids, mask = tiny
     ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # B = 4
     max_len = np.full(16, 2)
-    max_len[[1, 6, 11, 12]] = 10  # after 2 tokens only these 4 of the 16 rows run on
+    # After 2 tokens only 4 of the 16 rows run on, after 5 only rows 1 and 12, after 8 row 1.
+    max_len[[1, 6, 11, 12]] = [10, 5, 5, 8]
     kw = dict(
         rng=jax.random.key(5), max_new_tokens=10, temperature=1.0, num_samples=4, eos_ids=(3,),
         max_lengths=max_len,
     )  # fmt: skip
     full = sampling.generate(model, ids, mask, compact_rows=0, **kw)
-    compact = sampling.generate(model, ids, mask, compact_rows=4, **kw)
+    compact = sampling.generate(model, ids, mask, compact_rows=compact_rows, **kw)
     assert int(np.asarray(full.lengths).max()) > 2, "the compacted loop decoded nothing"
     for name in ("tokens", "mask", "lengths", "stop_reason", "steps"):
         np.testing.assert_array_equal(getattr(compact, name), getattr(full, name), err_msg=name)

@@ -51,9 +51,10 @@ class LoopConfig:
       eos_ids: token ids that stop a row.
       top_k: keep only the k most likely tokens (0 = off).
       repetition_ngram: repetition guard's longest block length n (0 = guard off).
-      compact_rows: M; once at most M rows are still running, the loop goes on with just M
-        rows (the running ones), so finished rows stop costing compute. Needs a cache with
-        ``take(rows)``; 0 = off. The result is the same either way: row r draws the same
+      compact_rows: decreasing row counts M1 > M2 > ...; once at most M1 rows are still
+        running, the loop goes on with just M1 rows (the running ones), then with M2 once at
+        most M2 run, and so on, so finished rows stop costing compute. Needs a cache with
+        ``take(rows)``; () = off. The result is the same either way: row r draws the same
         random numbers wherever it sits in the batch.
     """
 
@@ -62,7 +63,7 @@ class LoopConfig:
     eos_ids: tuple[int, ...] = ()
     top_k: int = 0
     repetition_ngram: int = 0
-    compact_rows: int = 0
+    compact_rows: tuple[int, ...] = ()
 
 
 @flax.struct.dataclass
@@ -277,10 +278,11 @@ def decode(
 ) -> SamplingState:
     """Samples tokens ``state.step .. T-1``, exiting as soon as every row has stopped.
 
-    With ``cfg.compact_rows = M``, the loop over all N rows stops once at most M rows are
-    running; M rows, all the running ones and then finished ones, in row order, are gathered
-    (``cache.take``) and a second loop decodes them to the end. The returned state holds every
-    row's tokens; its cache is then the N-row cache as it was at the compaction.
+    With ``cfg.compact_rows = (M, ...)``, the loop over all N rows stops once at most M rows
+    are running; M rows, all the running ones and then finished ones, in row order, are
+    gathered (``cache.take``) and a second loop decodes them, compacting again at the next
+    count, and so on. The returned state holds every row's tokens; its cache is then the
+    N-row cache as it was at the first compaction.
 
     Args:
       step_fn: as in ``prefill``; called on [N, 1] token batches.
@@ -293,7 +295,6 @@ def decode(
       The final state; ``step`` is the number of positions actually sampled.
     """
     n, t = state.tokens_NT.shape
-    m = cfg.compact_rows
 
     def run(s: SamplingState, kn: Knobs, rows_M: Array | None, until: int) -> SamplingState:
         def cond(s: SamplingState) -> Array:
@@ -306,10 +307,16 @@ def decode(
 
         return jax.lax.while_loop(cond, body, s)
 
-    if not 0 < m < n:
-        return run(state, knobs, None, 0)
-    state = run(state, knobs, None, m)
-    # Running rows sort first (stable: in row order); keep M of them, in row order.
-    rows_M = jnp.sort(jnp.argsort(state.done_N, stable=True)[:m]).astype(jnp.int32)
-    sub, sub_knobs = _take_rows(state, knobs, rows_M)
-    return _put_rows(state, rows_M, run(sub, sub_knobs, rows_M, 0))
+    def compacting(s: SamplingState, kn: Knobs, rows: Array | None, levels) -> SamplingState:
+        """Decodes `s` (whose rows are `rows` of the full batch, None = all) to the end."""
+        m = levels[0] if levels else 0
+        if not 0 < m < s.done_N.shape[0]:
+            return run(s, kn, rows, 0)
+        s = run(s, kn, rows, m)
+        # Running rows sort first (stable: in row order); keep M of them, in row order.
+        pick_M = jnp.sort(jnp.argsort(s.done_N, stable=True)[:m]).astype(jnp.int32)
+        sub, sub_knobs = _take_rows(s, kn, pick_M)
+        rows_M = pick_M if rows is None else jnp.take(rows, pick_M)
+        return _put_rows(s, pick_M, compacting(sub, sub_knobs, rows_M, levels[1:]))
+
+    return compacting(state, knobs, None, cfg.compact_rows)
