@@ -236,7 +236,7 @@ def shared_prefix_logprobs(
             shared_ids,
         )
     n, t = tokens_NT.shape
-    h_BPD, prompt_kv, slots_BK, next_pos_B = _prompt_pass(
+    h_BPD, prompt_kv, slots_BS, next_pos_B = _prompt_pass(
         model, prompt_ids_BP, prompt_mask_BP, shared_ids
     )
     # Left padding puts every prompt's last token in the last column.
@@ -245,7 +245,7 @@ def shared_prefix_logprobs(
         rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
         own_mask_Nt = mask_NT[:, :-1] != 0
         causal_tt = jnp.tril(jnp.ones((t - 1, t - 1), jnp.bool_))
-        prompt_NtK = jnp.broadcast_to(rep(slots_BK, 0)[:, None, :], (n, t - 1, slots_BK.shape[1]))
+        prompt_NtS = jnp.broadcast_to(rep(slots_BS, 0)[:, None, :], (n, t - 1, slots_BS.shape[1]))
         own_Ntt = causal_tt[None] & own_mask_Nt[:, None, :]
         positions_Nt = rep(next_pos_B, 0)[:, None] + jnp.cumsum(own_mask_Nt, axis=1) - 1
         h_NtD, _ = model.hidden(
@@ -253,7 +253,7 @@ def shared_prefix_logprobs(
             own_mask_Nt.astype(jnp.int32),
             positions_BT=jnp.maximum(positions_Nt, 0),
             prefix_kv=(rep(prompt_kv[0], 1), rep(prompt_kv[1], 1)),
-            attention_BTS=jnp.concatenate([prompt_NtK, own_Ntt], axis=2),
+            attention_BTS=jnp.concatenate([prompt_NtS, own_Ntt], axis=2),
         )
         h_NTD = jnp.concatenate([h_last_ND[:, None], h_NtD], axis=1)
     else:
@@ -287,7 +287,7 @@ def packed_logprobs(
     b = prompt_ids_BP.shape[0]
     n, t = tokens_NT.shape
     width = packing.src_BL.shape[1]
-    h_BPD, prompt_kv, slots_BK, next_pos_B = _prompt_pass(
+    h_BPD, prompt_kv, slots_BS, next_pos_B = _prompt_pass(
         model, prompt_ids_BP, prompt_mask_BP, shared_ids
     )
 
@@ -299,13 +299,13 @@ def packed_logprobs(
     valid_BL = seg_BL >= 0
     causal_LL = jnp.tril(jnp.ones((width, width), jnp.bool_))
     own_BLL = (seg_BL[:, :, None] == seg_BL[:, None, :]) & causal_LL[None] & valid_BL[:, None, :]
-    prompt_BLK = jnp.broadcast_to(slots_BK[:, None, :], (b, width, slots_BK.shape[1]))
+    prompt_BLS = jnp.broadcast_to(slots_BS[:, None, :], (b, width, slots_BS.shape[1]))
     h_BLD, _ = model.hidden(
         ids_BL,
         valid_BL.astype(jnp.int32),
         positions_BT=next_pos_B[:, None] + pos_BL,
         prefix_kv=prompt_kv,
-        attention_BTS=jnp.concatenate([prompt_BLK, own_BLL], axis=2),
+        attention_BTS=jnp.concatenate([prompt_BLS, own_BLL], axis=2),
     )
     # Left padding puts every prompt's last token in the last column.
     h_prev_BLD = jnp.concatenate([h_BPD[:, -1:], h_BLD[:, :-1]], axis=1)
@@ -329,9 +329,9 @@ def _prompt_pass(model: Any, prompt_ids_BP: Array, prompt_mask_BP: Array, shared
     to every prompt (so their gradients sum over the prompts, as in the unshared pass).
 
     Returns:
-        (h_BPD, the stacked keys and values [L, B, K, H] of the K = C + P prompt slots, which
-        of those slots hold tokens [B, K], the position id of each prompt's first completion
-        token [B]).
+        (h_BPD, the stacked keys and values [L, B, S, K, H] of the S = C + P prompt slots,
+        which of those slots hold tokens [B, S], the position id of each prompt's first
+        completion token [B]).
     """
     mask_BP = prompt_mask_BP.astype(jnp.int32)
     valid_BP = mask_BP != 0
@@ -352,8 +352,8 @@ def _prompt_pass(model: Any, prompt_ids_BP: Array, prompt_mask_BP: Array, shared
         return_kv=True,
     )
     kv = tuple(jnp.concatenate(pair, axis=2) for pair in zip(wide_kv, own_kv, strict=True))
-    slots_BK = jnp.concatenate([jnp.ones((b, c), jnp.bool_), valid_BP], axis=1)
-    return h_BPD, kv, slots_BK, c + jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
+    slots_BS = jnp.concatenate([jnp.ones((b, c), jnp.bool_), valid_BP], axis=1)
+    return h_BPD, kv, slots_BS, c + jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
 
 
 def _compute_dtype(model: Any):
