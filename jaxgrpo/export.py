@@ -47,14 +47,13 @@ class ExportError(Exception):
 
 
 def checkpoint_step(ckpt: Checkpointer, run_dir: str, step: int | None) -> int:
-    """The step to export: ``step`` if the run saved it (0 = untrained), else the latest.
+    """The step to export: ``step`` if the run saved it, the latest when ``step`` is None.
 
     Raises:
-      ExportError: the run has no checkpoint, or none at ``step`` (the message lists the steps).
+      ExportError: the run has no checkpoint, or none at ``step`` (the message lists the steps,
+        with 0 for the untrained model).
     """
     steps = ckpt.all_steps()
-    if step == 0:
-        return 0
     if not steps:
         raise ExportError(f"no checkpoint in {run_dir}/checkpoints: the run saved none yet")
     if step is None:
@@ -86,6 +85,46 @@ def hf_base(source: str) -> str | None:
     return os.path.abspath(source) if os.path.isdir(source) else source
 
 
+def run_config_of(run_dir: str, peft: bool = False) -> Any:
+    """The ``TrainConfig`` of run ``run_dir``, checked for an export (``peft``: adapters only).
+
+    Raises:
+      ExportError: ``run_dir`` has no config.json; ``peft`` on a full fine-tuning run.
+    """
+    if not (epath.Path(run_dir) / "config.json").exists():
+        raise ExportError(
+            f"{run_dir} is not a jaxgrpo run directory (no config.json; "
+            "python -m jaxgrpo.train --config ... writes one in its run_dir)"
+        )
+    cfg = run_config(None, run_dir, {})
+    if peft and cfg.model.lora_rank == 0:
+        raise ExportError(
+            f"--peft exports LoRA adapters, but {run_dir} is a full fine-tuning run "
+            "(model.lora_rank = 0); drop --peft to export the merged model"
+        )
+    return cfg
+
+
+def trained_model(cfg: Any, run_dir: str, step: int | None) -> tuple[Any, Any, int]:
+    """(model, tokenizer, step): the run's model with checkpoint ``step``'s parameters (None:
+    the latest; 0: the model as built, untrained)."""
+    mesh = sharding.make_mesh(config_lib.resolve_mesh_shape(cfg, jax.device_count()))
+    if step == 0:
+        model, tokenizer, _ = load_policy(cfg, None, mesh)
+        return model, tokenizer, 0
+    ckpt_dir = os.path.join(run_dir, "checkpoints")
+    if not epath.Path(ckpt_dir).exists():  # checked first: the Checkpointer would create it
+        raise ExportError(f"no checkpoint in {ckpt_dir}: the run saved none yet")
+    ckpt = Checkpointer(ckpt_dir, every=0, keep=cfg.checkpoint.keep)
+    try:
+        step = checkpoint_step(ckpt, run_dir, step)
+        model, tokenizer, _ = load_policy(cfg, None, mesh)
+        restore_step(cfg, model, tokenizer, ckpt, step, mesh)
+    finally:
+        ckpt.close()
+    return model, tokenizer, step
+
+
 def export_run(
     run_dir: str, out_dir: str, *, peft: bool = False, step: int | None = None, dtype=None
 ) -> tuple[str, int, Any]:
@@ -103,31 +142,10 @@ def export_run(
       (absolute output path, the exported step, the run's ``TrainConfig``).
 
     Raises:
-      ExportError: see ``checkpoint_step``; not a run directory; ``peft`` on full fine-tuning.
+      ExportError: see ``run_config_of`` and ``checkpoint_step``.
     """
-    if not (epath.Path(run_dir) / "config.json").exists():
-        raise ExportError(
-            f"{run_dir} is not a jaxgrpo run directory (no config.json; "
-            "python -m jaxgrpo.train --config ... writes one in its run_dir)"
-        )
-    cfg = run_config(None, run_dir, {})
-    if peft and cfg.model.lora_rank == 0:
-        raise ExportError(
-            f"--peft exports LoRA adapters, but {run_dir} is a full fine-tuning run "
-            "(model.lora_rank = 0); drop --peft to export the merged model"
-        )
-    ckpt_dir = os.path.join(run_dir, "checkpoints")
-    if step != 0 and not epath.Path(ckpt_dir).exists():
-        raise ExportError(f"no checkpoint in {ckpt_dir}: the run saved none yet")
-    ckpt = Checkpointer(ckpt_dir, every=0, keep=cfg.checkpoint.keep)
-    try:
-        step = checkpoint_step(ckpt, run_dir, step)
-        mesh = sharding.make_mesh(config_lib.resolve_mesh_shape(cfg, jax.device_count()))
-        model, tokenizer, _ = load_policy(cfg, None, mesh)
-        if step:
-            restore_step(cfg, model, tokenizer, ckpt, step, mesh)
-    finally:
-        ckpt.close()
+    cfg = run_config_of(run_dir, peft)
+    model, tokenizer, step = trained_model(cfg, run_dir, step)
     if peft:
         path = export_peft(model, out_dir, hf_base(cfg.model.source) or "")
     else:
@@ -167,7 +185,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("out_dir", help="output directory (replaced if it exists)")
     p.add_argument("--peft", action="store_true", help="write the LoRA adapters alone (PEFT)")
     p.add_argument("--step", type=int, help="checkpoint step (default: latest; 0 = untrained)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="merged weights' dtype")
+    p.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), help="stored weight dtype (merged model only)"
+    )
     return p.parse_args(argv)
 
 

@@ -6,6 +6,7 @@ advantage is 0), so an entropy bonus and a high learning rate are what move LoRA
 Tolerance: float32 logits within 1e-4 (absolute) on unpadded positions.
 """
 
+import importlib.util
 import json
 import os
 import shutil
@@ -22,6 +23,11 @@ from jaxgrpo.config import load_config
 from jaxgrpo.evaluate import load_policy, run_config
 from jaxgrpo.models import SafetensorsFiles
 
+# Checked before the module's run is trained, so a base install skips without training.
+needs_torch_peft = pytest.mark.skipif(
+    any(importlib.util.find_spec(m) is None for m in ("torch", "peft")),
+    reason="needs torch and peft: pip install 'jaxgrpo[test]'",
+)
 TEXTS = ["Copy this integer exactly: 4096", "hello", "0123456789 10 20"]
 
 
@@ -73,6 +79,7 @@ def _torch_logits(model, ids, mask):
 
 
 @pytest.mark.slow
+@needs_torch_peft
 def test_merged_and_peft_exports_match_jaxgrpo(run_dir, tmp_path, capsys):
     pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
@@ -151,3 +158,4 @@ def test_user_errors_are_one_line(fake_run, tmp_path, capsys):
         assert code == 2 and out == "", (args, out)
         assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert not os.path.exists(tmp_path / "o"), "nothing written on an error"
+    assert not os.path.exists(tmp_path / "new" / "checkpoints"), "nor created in the run"
