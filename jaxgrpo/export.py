@@ -180,7 +180,11 @@ def load_instructions(path: str, run_dir: str, peft: bool, source: str) -> str:
 
 def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     """The command line (argparse exits with status 2 on a malformed one)."""
-    p = argparse.ArgumentParser(prog="python -m jaxgrpo.export", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m jaxgrpo.export",
+        description="Export a training run's checkpoint as a merged Hugging Face model "
+        "(default) or as LoRA adapters in PEFT layout (--peft).",
+    )
     p.add_argument("run_dir", help="training run directory (config.json, checkpoints/)")
     p.add_argument("out_dir", help="output directory (replaced if it exists)")
     p.add_argument("--peft", action="store_true", help="write the LoRA adapters alone (PEFT)")
