@@ -97,6 +97,7 @@ class Learner:
             max_completion_length=cfg.sampling.max_new_tokens,
         )
         self._temperature = self._make_temperature()
+        self.buckets = ro.ShapeBuckets()  # batch widths that only grow: few recompiles
         self._build_programs()
 
     # ------------------------------------------------------------------------------------------
@@ -258,7 +259,7 @@ class Learner:
         sp = self.cfg.sampling
         with timer("sampling"):
             messages = [ex["messages"] for ex in examples]
-            ids, mask = ro.trim_prompts(*tok.encode_chat(messages))
+            ids, mask = ro.trim_prompts(*tok.encode_chat(messages), self.buckets)
             out = generate_from_state(
                 self.graphdef,
                 (state.params, self.frozen),
@@ -329,16 +330,20 @@ class Learner:
             # Packed scoring reads only each completion's own tokens, so the width of the
             # [N, T] arrays costs next to nothing; keeping it fixed avoids recompiling.
             t = r.tokens.shape[1]
-            packing = jax.tree.map(put, ro.pack(r.mask.sum(axis=1), self.rl.group_size, t))
+            lengths = r.mask.sum(axis=1)
+            packing = ro.pack(lengths, self.rl.group_size, t, self.buckets)
+            packing = jax.tree.map(put, packing)
         else:
-            t = ro.completion_bucket(r.lengths, r.tokens.shape[1])
+            t = ro.completion_bucket(r.lengths, r.tokens.shape[1], self.buckets)
         truncated = r.stop_reason == step_metrics.LENGTH
         loss_mask = r.mask * (~truncated[:, None]) if self.rl.mask_truncated else r.mask
         loss_mask = loss_mask[:, :t]
         tokens, mask, temps = r.tokens[:, :t], r.mask[:, :t], r.temps[:, :t]
         shared, prompt_ids, prompt_mask = np.zeros((1, 0), np.int32), r.prompt_ids, r.prompt_mask
         if self.rl.share_prompt_prefix:
-            shared, prompt_ids, prompt_mask = ro.split_common_prefix(prompt_ids, prompt_mask)
+            shared, prompt_ids, prompt_mask = ro.split_common_prefix(
+                prompt_ids, prompt_mask, buckets=self.buckets
+            )
         shared = self._replicate(shared, np.int32)
         inputs = (put(prompt_ids), put(prompt_mask), put(tokens), put(mask), put(temps))
         zeros = np.zeros(tokens.shape, np.float32)

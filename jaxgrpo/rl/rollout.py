@@ -57,20 +57,56 @@ def to_host(x: Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def trim_prompts(ids_BP: np.ndarray, mask_BP: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Drops leading all-padding columns of left-padded prompts, down to a half-octave bucket.
+class ShapeBuckets:
+    """Widths of a run's batches that only grow (or, for the shared prefix, only shrink).
+
+    Every distinct width of a prompt, suffix or packed row is a new compiled program (tens of
+    seconds each). Prompts change length as a curriculum fades and completions shorten as the
+    policy learns, so widths chosen afresh per step recompile again and again. Holding each
+    width at its most demanding value so far bounds the compiles per program by its number of
+    buckets (usually one), at the price of some padding. The learner holds one per run.
+    """
+
+    def __init__(self):
+        self._widths: dict[str, int] = {}
+
+    def grow(self, name: str, width: int) -> int:
+        """``width`` or the largest width ``name`` has had, whichever is larger."""
+        self._widths[name] = max(width, self._widths.get(name, 0))
+        return self._widths[name]
+
+    def shrink(self, name: str, width: int) -> int:
+        """``width`` or the smallest width ``name`` has had, whichever is smaller."""
+        self._widths[name] = min(width, self._widths.get(name, width))
+        return self._widths[name]
+
+
+def trim_prompts(
+    ids_BP: np.ndarray, mask_BP: np.ndarray, buckets: ShapeBuckets | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded prompts cut (or padded) to a half-octave bucket of the longest one.
 
     The tokenizer pads to powers of two (87 tokens -> 128); the sampler's prefill and
     attention and both scoring passes then spend that padding on every step. A half-octave
-    bucket (96 here) keeps the number of compiled shapes small.
+    bucket (96 here) keeps the number of compiled shapes small; with ``buckets`` the width
+    never drops below an earlier step's.
     """
     longest = int(mask_BP.sum(axis=1).max(initial=1))
     keep = bucket_length(longest, min_bucket=16, half_octaves=True)
-    return (ids_BP, mask_BP) if keep >= ids_BP.shape[1] else (ids_BP[:, -keep:], mask_BP[:, -keep:])
+    if buckets is not None:
+        keep = buckets.grow("prompt", keep)
+    if keep > ids_BP.shape[1]:
+        return _left_pad(ids_BP, mask_BP, keep, 0)
+    return ids_BP[:, -keep:], mask_BP[:, -keep:]
 
 
 def split_common_prefix(
-    ids_BP: np.ndarray, mask_BP: np.ndarray, *, min_length: int = 16, multiple: int = 8
+    ids_BP: np.ndarray,
+    mask_BP: np.ndarray,
+    *,
+    min_length: int = 16,
+    multiple: int = 8,
+    buckets: ShapeBuckets | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Splits left-padded prompts into the tokens they all begin with and their own suffixes.
 
@@ -85,6 +121,8 @@ def split_common_prefix(
         mask_BP: int32 [B, P], 1 on real tokens.
         min_length: share nothing when fewer tokens would be shared (or B < 2).
         multiple: C is a multiple of this.
+        buckets: the run's `ShapeBuckets`: C never exceeds an earlier step's, and S is P - C
+            (P is the run's prompt width, `trim_prompts`), so both change only when P or C do.
 
     Returns:
         (shared_1C, suffix ids [B, S], suffix mask [B, S]): the suffixes left-padded (with 0)
@@ -102,10 +140,15 @@ def split_common_prefix(
     differs = np.flatnonzero(np.any(heads_BK != heads_BK[:1], axis=0))
     common = int(differs[0]) if differs.size else shortest
     c = min(common, shortest - 1) // multiple * multiple
+    if buckets is not None:
+        c = buckets.shrink("shared", c if c >= min_length else 0)
     if c < min_length:
         return nothing
     own_B = lengths_B - c
-    s = bucket_length(int(own_B.max()), min_bucket=8, half_octaves=True)
+    if buckets is None:
+        s = bucket_length(int(own_B.max()), min_bucket=8, half_octaves=True)
+    else:  # the prompts' (run-wide) width less the (run-wide) prefix: as stable as both
+        s = p - c
     ids_BS = np.zeros((b, s), np.int32)
     mask_BS = np.zeros((b, s), np.int32)
     for i, n in enumerate(own_B):
@@ -114,14 +157,17 @@ def split_common_prefix(
     return heads_BK[:1, :c].astype(np.int32), ids_BS, mask_BS
 
 
-def completion_bucket(lengths_N: np.ndarray, max_new_tokens: int) -> int:
+def completion_bucket(
+    lengths_N: np.ndarray, max_new_tokens: int, buckets: ShapeBuckets | None = None
+) -> int:
     """Columns of the completions the scoring passes need: the longest one's power-of-two bucket.
 
     Columns past every row's end are masked out of the loss, and a causal model's log-probs of
     the earlier columns do not depend on them, so dropping them changes nothing but the time.
     """
     longest = int(np.max(lengths_N, initial=1))
-    return bucket_length(longest, min_bucket=8, max_length=max_new_tokens)
+    t = bucket_length(longest, min_bucket=8, max_length=max_new_tokens)
+    return t if buckets is None else buckets.grow("completion", t)
 
 
 @flax.struct.dataclass
@@ -149,13 +195,16 @@ class Packing:
         )
 
 
-def pack(lengths_N: np.ndarray, group_size: int, t: int) -> Packing:
+def pack(
+    lengths_N: np.ndarray, group_size: int, t: int, buckets: ShapeBuckets | None = None
+) -> Packing:
     """Packs the completions of each group of `group_size` rows end to end (numpy arrays).
 
     Args:
         lengths_N: tokens to score per completion (up to and including its stop token).
         group_size: G; row b*G + g is completion g of group b.
         t: T, the completions' column count.
+        buckets: the run's `ShapeBuckets`: L never falls below an earlier step's.
 
     Returns:
         `Packing` with L = the power-of-two bucket (at least 16, at most G * T) of the longest
@@ -164,6 +213,8 @@ def pack(lengths_N: np.ndarray, group_size: int, t: int) -> Packing:
     lengths_BG = np.minimum(np.asarray(lengths_N), t).reshape(-1, group_size)
     b = lengths_BG.shape[0]
     width = bucket_length(int(lengths_BG.sum(axis=1).max(initial=1)), 16, group_size * t)
+    if buckets is not None:
+        width = buckets.grow("packed", width)
     src = np.zeros((b, width), np.int32)
     seg = np.full((b, width), -1, np.int32)
     pos = np.zeros((b, width), np.int32)

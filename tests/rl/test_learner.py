@@ -299,7 +299,7 @@ def test_trimmed_and_packed_scoring_change_nothing(monkeypatch):
     state0 = learner.init_state()
     copy = lambda s: jax.tree.map(jnp.copy, s)  # noqa: E731  (the update donates its state)
     width, trimmed = one_update(copy(state0))
-    monkeypatch.setattr(ro, "completion_bucket", lambda lengths, t: t)
+    monkeypatch.setattr(ro, "completion_bucket", lambda lengths, t, buckets=None: t)
     full_width, full = one_update(copy(state0))
     learner.rl = dataclasses.replace(learner.rl, pack_completions=True)
     learner._build_programs()
@@ -364,3 +364,32 @@ def test_prompt_trimming_keeps_every_prompt_token():
     assert ro.completion_bucket(np.array([3, 9, 1]), 32) == 16
     assert ro.completion_bucket(np.array([3, 32, 1]), 32) == 32
     assert ro.completion_bucket(np.array([2, 1]), 32) == 8
+
+
+def test_batch_widths_only_grow_so_programs_compile_a_bounded_number_of_times():
+    """Long prompts, short prompts, then both again: once the run's widths have settled (the
+    prompt and suffix widths at their largest, the shared prefix at its shortest), no step
+    compiles a new program, although each step's own widths differ."""
+    from jaxgrpo.rl import rollout as ro
+
+    buckets = ro.ShapeBuckets()
+    ids = np.full((2, 128), 7, np.int32)
+    mask = np.zeros((2, 128), np.int32)
+    mask[:, -87:] = 1
+    assert ro.trim_prompts(ids, mask, buckets)[0].shape == (2, 96)
+    short = ro.trim_prompts(ids[:, -64:], mask[:, -64:] * (np.arange(64) >= 24), buckets)
+    assert short[0].shape == (2, 96) and short[1].sum() == 2 * 40, "padded up, tokens kept"
+    assert buckets.shrink("shared", 72) == 72 and buckets.shrink("shared", 40) == 40
+    assert buckets.shrink("shared", 72) == 40
+
+    learner, _ = make_learner({"data": 1}, jax.devices()[:1])
+    long_task = get_task("format_copy", worked_example=True)
+    short_task = get_task("format_copy", worked_example=False)
+    batches = [list(t.train_examples(0))[:2] for t in (long_task, short_task)]
+    state = learner.init_state()
+    for examples in batches:
+        state, _, _ = learner.step(state, examples)
+    with count_compiles() as compiles:
+        for examples in batches:
+            state, _, _ = learner.step(state, examples)
+    assert len(compiles) == 0, f"{len(compiles)} programs compiled after the widths settled"
