@@ -13,6 +13,7 @@ INSTALL_REQUIRES = [
     "absl-py==2.5.1",
     "transformers==5.24.0",
     "tokenizers==0.23.3",
+    "jinja2==3.1.6",  # chat templates (transformers renders them with jinja2)
     "safetensors==0.8.0",
     "gguf==0.19.0",
     "numpy==2.4.6",

@@ -165,9 +165,11 @@ class LoggingConfig:
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-    """``python -m jaxgrpo.evaluate`` defaults (the seed study's) and its judge; CLI flags
-    override them."""
+    """Held-out evaluation: the period during training (greedy, ``every`` steps; 0 = before and
+    after only), and ``python -m jaxgrpo.evaluate``'s defaults (the seed study's) and judge,
+    which its CLI flags override."""
 
+    every: int
     num_samples: int
     max_new_tokens: int
     temperature: float

@@ -365,18 +365,27 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: evaluate, write the JSON and Markdown (process 0), print the table."""
-    from jaxgrpo.runtime import keep_freed_memory, use_cpu_xla_flags
+    from jaxgrpo.runtime import (
+        MissingExtra,
+        enable_compilation_cache,
+        keep_freed_memory,
+        quiet_libraries,
+        use_cpu_xla_flags,
+    )
 
     use_cpu_xla_flags()
     keep_freed_memory()
+    quiet_libraries()
     import jax
 
     from jaxgrpo.config import ConfigError
 
+    enable_compilation_cache()
+
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         results, settings = evaluate_runs(args)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
+    except (ConfigError, FileNotFoundError, ValueError, MissingExtra) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:

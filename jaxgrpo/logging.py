@@ -22,29 +22,36 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
-from absl import logging
 
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
 KL_MEAN = "kl/mean"
+ACCURACY = "accuracy"
 TRUNCATED_FRAC = "completion/truncated_frac"
 TIME_KEYS = ("time/sampling", "time/rewards", "time/update")
 
 _WARNED: set[str] = set()
 
 
+def console(message: str, *, error: bool = False) -> None:
+    """Prints one line for the user (stdout, or stderr with ``error``) without breaking a
+    progress bar that is being drawn."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(message, file=sys.stderr if error else sys.stdout)
+    (sys.stderr if error else sys.stdout).flush()
+
+
 def warn_once(key: str, message: str) -> bool:
-    """Logs ``message`` loudly (stderr banner + absl warning) the first time ``key`` is seen.
+    """Prints ``warning: message`` to stderr the first time ``key`` is seen.
 
     Returns:
-      True if the warning was emitted now, False if it had been emitted before.
+      True if the warning was printed now, False if it had been printed before.
     """
     if key in _WARNED:
         return False
     _WARNED.add(key)
-    banner = "!" * 78
-    print(f"\n{banner}\nWARNING: {message}\n{banner}", file=sys.stderr, flush=True)
-    logging.warning("%s", message)
+    console(f"warning: {message}", error=True)
     return True
 
 
@@ -52,7 +59,8 @@ def check_dead_run(step: int, metrics: Mapping[str, Any]) -> list[str]:
     """Warns once when a step looks dead although its loss may look healthy.
 
     A step is dead when every completion was truncated (the model never stops), or when every
-    reward in the batch is identical (all advantages are 0, so nothing is learned).
+    reward in the batch is identical (all advantages are 0, so nothing is learned) without every
+    completion being correct; a batch where every completion is correct is reported as solved.
 
     Returns:
       The keys of the warnings that fired at this call.
@@ -68,13 +76,23 @@ def check_dead_run(step: int, metrics: Mapping[str, Any]) -> list[str]:
             fired.append("dead_run/truncated")
     reward_std = metrics.get(REWARD_STD)
     if reward_std is not None and float(reward_std) == 0.0:
-        msg = (
-            f"step {step}: every reward in the batch is identical, so every advantage is 0 and "
-            "the policy does not move (the loss still looks fine). Use a reward with partial "
-            "credit, more samples per prompt, or rl.dynamic_sampling."
-        )
-        if warn_once("dead_run/constant_reward", msg):
-            fired.append("dead_run/constant_reward")
+        if metrics.get(ACCURACY) is not None and float(metrics[ACCURACY]) >= 1.0:
+            # Every completion is correct: the batch is solved, which is success, not a dead run.
+            if "dead_run/solved" not in _WARNED:
+                _WARNED.add("dead_run/solved")
+                console(
+                    f"step {step}: every completion of the batch is correct (solved); such "
+                    "batches have zero advantages and leave the policy where it is."
+                )
+                fired.append("dead_run/solved")
+        else:
+            msg = (
+                f"step {step}: every reward in the batch is identical, so every advantage is 0 "
+                "and the policy does not move (the loss still looks fine). Use a reward with "
+                "partial credit, more samples per prompt, or rl.dynamic_sampling."
+            )
+            if warn_once("dead_run/constant_reward", msg):
+                fired.append("dead_run/constant_reward")
     return fired
 
 
@@ -211,21 +229,26 @@ def _init_wandb(run_dir: str, project: str, config: Mapping[str, Any] | None):
 
 
 class ProgressBar:
-    """tqdm bar: step, reward, KL, and seconds per step split into sampling / rewards / update."""
+    """tqdm bar: step, reward, train accuracy, KL, and seconds per step split into sampling /
+    rewards / update."""
 
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self._bar = None
         if enabled:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total, initial=initial, desc="train", dynamic_ncols=True, file=sys.stdout
+            )
 
     @staticmethod
     def describe(metrics: Mapping[str, Any]) -> str:
-        """Postfix text, e.g. ``reward=0.41 kl=0.003 s=4.2 (sample 2.1|reward 0.1|update 2.0)``."""
+        """Postfix text, e.g. ``reward=0.41 acc=0.34 kl=0.0030 s=4.2 (sample 2.1|update 2.0)``."""
         parts = []
         if REWARD_MEAN in metrics:
             parts.append(f"reward={float(metrics[REWARD_MEAN]):.3f}")
+        if metrics.get(ACCURACY) is not None:
+            parts.append(f"acc={float(metrics[ACCURACY]):.2f}")
         if KL_MEAN in metrics:
             parts.append(f"kl={float(metrics[KL_MEAN]):.4f}")
         times = [float(metrics[k]) if k in metrics else None for k in TIME_KEYS]
@@ -248,3 +271,93 @@ class ProgressBar:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# What a run prints: its header, held-out evaluations and closing summary.
+
+STRICT = "strict_accuracy"
+LENIENT = "accuracy"
+
+
+def human_count(n: float) -> str:
+    """``134515008`` -> ``"134.5M"``."""
+    for unit, size in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(int(n))
+
+
+def human_seconds(seconds: float) -> str:
+    """``499`` -> ``"8 min 19 s"``."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
+def run_header(info: Mapping[str, Any]) -> str:
+    """The lines a run prints before its first step: model, task, devices, run directory.
+
+    Args:
+      info: ``model``, ``params``, ``trainable``, ``lora_rank``, ``task``, ``train_size``,
+        ``eval_size``, ``prompts_per_step``, ``group_size``, ``steps``, ``devices``,
+        ``platform``, ``mesh`` (axis -> size), ``run_dir``, ``start`` (completed steps),
+        ``cache_dir`` (or None).
+    """
+    tuning = (
+        f"LoRA rank {info['lora_rank']}, {human_count(info['trainable'])} trainable"
+        if info["lora_rank"]
+        else "full fine-tuning"
+    )
+    mesh = " ".join(f"{k}={v}" for k, v in info["mesh"].items())
+    resume = f"resuming at step {info['start']}" if info["start"] else "new run"
+    per_step = f"{info['prompts_per_step']} prompts x {info['group_size']} samples per step"
+    lines = [
+        f"model    {info['model']}: {human_count(info['params'])} parameters, {tuning}",
+        f"task     {info['task']}: {info['train_size']} training / {info['eval_size']} held-out "
+        f"examples; {per_step}, {info['steps']} steps",
+        f"devices  {info['devices']} x {info['platform']}, mesh {mesh}",
+        f"run dir  {os.path.abspath(info['run_dir'])} ({resume})",
+        f"cache    {info['cache_dir'] or 'off'} (compiled programs, reused by later runs)",
+    ]
+    return "\n".join(lines)
+
+
+def _fraction(metrics: Mapping[str, Any], key: str) -> str:
+    value, n = metrics.get(key), metrics.get("num_examples")
+    if value is None:
+        return "n/a"
+    if n:
+        return f"{round(float(value) * float(n))}/{int(n)} ({100 * float(value):.1f}%)"
+    return f"{100 * float(value):.1f}%"
+
+
+def eval_line(label: str, metrics: Mapping[str, Any], seconds: float | None = None) -> str:
+    """One line for a held-out evaluation: ``held-out at step 5: strict 12/64 (18.8%), ...``."""
+    text = f"held-out {label}: strict {_fraction(metrics, STRICT)}"
+    if LENIENT in metrics:
+        text += f", lenient {_fraction(metrics, LENIENT)}"
+    if seconds is not None:
+        text += f" [{human_seconds(seconds)}]"
+    return text
+
+
+def run_summary(info: Mapping[str, Any]) -> str:
+    """The lines a run prints when it ends: accuracy before -> after, time, files, next commands.
+
+    Args:
+      info: ``steps``, ``seconds``, ``before`` and ``after`` (eval metrics or None),
+        ``files`` ((label, path) pairs) and ``commands`` (shell lines).
+    """
+    lines = [f"done: {info['steps']} steps in {human_seconds(info['seconds'])}"]
+    before, after = info.get("before"), info.get("after")
+    if before and after:
+        lines.append(
+            f"held-out strict accuracy {_fraction(before, STRICT)} -> {_fraction(after, STRICT)}"
+        )
+    lines += [f"  {name:<12}{path}" for name, path in info["files"]]
+    lines.append("next:")
+    lines += [f"  {command}" for command in info["commands"]]
+    return "\n".join(lines)

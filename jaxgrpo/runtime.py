@@ -1,4 +1,5 @@
-"""Plumbing of the training loop: the data cursor, stop requests, and where run files live.
+"""Process set-up of the CLIs (XLA flags, allocator, compilation cache) and the training loop's
+plumbing: the data cursor, stop requests, and where run files live.
 
 Kept apart from ``train.py`` so the loop there reads as the sequence of steps it is.
 """
@@ -30,6 +31,66 @@ def use_cpu_xla_flags() -> None:
     missing = [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in current]
     if missing:
         os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+
+
+class MissingExtra(ImportError):
+    """An optional package is missing; the message names the ``pip install`` that brings it."""
+
+    def __init__(self, package: str, extra: str, needed_for: str):
+        super().__init__(
+            f'{needed_for} needs the {package!r} package: pip install "jaxgrpo[{extra}]"'
+        )
+
+
+def require(module: str, extra: str, needed_for: str) -> Any:
+    """Imports optional ``module`` or raises ``MissingExtra`` naming the extra that installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingExtra(module, extra, needed_for) from None
+
+
+CACHE_ENV = "JAXGRPO_CACHE_DIR"
+
+
+def compilation_cache_dir() -> str | None:
+    """Where compiled programs are cached: ``$JAXGRPO_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jaxgrpo/xla`` (``~/.cache/jaxgrpo/xla``); None when set to ``off``."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in ("", "off", "0", "none") else value
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxgrpo", "xla")
+
+
+def enable_compilation_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache in ``compilation_cache_dir()``.
+
+    A program compiled once (same shapes, flags, devices and jax version) is then read from
+    disk by every later run instead of being compiled again, so a rerun of a config starts
+    training within seconds. Every program is cached, however fast it compiled.
+
+    Returns:
+      The cache directory, or None when the cache is off (``JAXGRPO_CACHE_DIR=off``).
+    """
+    import jax
+
+    path = compilation_cache_dir()
+    if path is None:
+        return None
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def quiet_libraries() -> None:
+    """Silences advice that is noise for a jaxgrpo user (transformers' "PyTorch was not found":
+    jaxgrpo uses only its tokenizers). Call it before transformers is imported."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 
 # glibc `mallopt` parameters (malloc.h).
@@ -76,7 +137,7 @@ class DataStream:
     def __init__(self, task: Any, seed: int, position: int = 0):
         self.task, self.seed, self.position = task, seed, position
         self._epoch, self._examples = -1, []
-        self._size = len(self._epoch_examples(0))
+        self.size = len(self._epoch_examples(0))  # examples per epoch
 
     def _epoch_examples(self, epoch: int) -> list:
         if epoch != self._epoch:
@@ -90,7 +151,7 @@ class DataStream:
         """The next ``n`` examples, crossing epoch boundaries as needed."""
         out = []
         while len(out) < n:
-            epoch, offset = divmod(self.position, self._size)
+            epoch, offset = divmod(self.position, self.size)
             chunk = self._epoch_examples(epoch)[offset : offset + n - len(out)]
             out.extend(chunk)
             self.position += len(chunk)

@@ -24,14 +24,31 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+import jax
+
 from jaxgrpo import config as config_lib
+from jaxgrpo import plot
+from jaxgrpo.checkpoint import Checkpointer
 from jaxgrpo.config import ConfigError, TrainConfig
 from jaxgrpo.config_checks import unknown_key_error
+from jaxgrpo.logging import (
+    MetricsLogger,
+    ProgressBar,
+    check_dead_run,
+    console,
+    eval_line,
+    run_header,
+    run_summary,
+    warn_once,
+)
 from jaxgrpo.runtime import (
     DataStream,
+    MissingExtra,
     RunFiles,
     StopRequest,
+    enable_compilation_cache,
     keep_freed_memory,
+    quiet_libraries,
     use_cpu_xla_flags,
 )
 
@@ -61,8 +78,6 @@ def unroll_layers(spec: config_lib.ModelSpec) -> bool:
     the full fine-tuning update ~2 s (~12%) faster, the LoRA update ~1 s slower, and doubled
     the first step's compile time.
     """
-    import jax
-
     if spec.layer_loop != "auto":
         return spec.layer_loop == "unroll"
     return spec.lora_rank == 0 and jax.default_backend() == "cpu"
@@ -131,6 +146,35 @@ def _prefixed(metrics: dict, prefix: str) -> dict:
     return {k if k.startswith(prefix) else prefix + k: v for k, v in metrics.items()}
 
 
+class HeldOut:
+    """The held-out evaluation of a run: before training, every ``eval.every`` steps, at the end.
+
+    Each evaluation is printed as one line and returned as ``eval/*`` metrics, which the loop
+    writes into that step's metrics row (step 0: a row of its own).
+    """
+
+    def __init__(self, cfg: TrainConfig, learner: Any, task: Any, say: Any):
+        self.examples = list(task.eval_examples())[: cfg.task.num_eval]
+        self.learner, self.every, self.steps, self.say = learner, cfg.eval.every, cfg.steps, say
+        self.first: dict | None = None
+        self.last: dict | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether completed step ``step`` (0 = before training) is evaluated."""
+        if not self.examples:
+            return False
+        return step in (0, self.steps) or (self.every > 0 and step % self.every == 0)
+
+    def __call__(self, state: Any, step: int) -> dict:
+        t0 = time.perf_counter()
+        metrics = self.learner.evaluate(state, self.examples)
+        label = "before training" if step == 0 else f"at step {step}"
+        self.say(eval_line(label, metrics, time.perf_counter() - t0))
+        self.first = self.first or metrics
+        self.last = metrics
+        return _prefixed(metrics, "eval/")
+
+
 def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]:
     """Trains ``cfg.steps`` steps (resuming from ``cfg.run_dir`` when it holds a checkpoint).
 
@@ -141,14 +185,13 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
     Returns:
       The last step's metrics (with ``eval/*`` after the final step), ``{}`` if nothing ran.
     """
-    import jax
-
-    from jaxgrpo.checkpoint import Checkpointer
-    from jaxgrpo.logging import ProgressBar, check_dead_run
-
-    parts = parts or build_parts(cfg)
-    learner, task = parts["learner"], parts["task"]
+    t_run = time.perf_counter()
     process = jax.process_index()
+    say = console if process == 0 else (lambda *_: None)
+    if parts is None:
+        say(f"building {cfg.model.source} for task {cfg.task.name} ...")
+        parts = build_parts(cfg)
+    learner, task = parts["learner"], parts["task"]
     files = RunFiles(cfg.run_dir, process)
     ckpt = Checkpointer(
         files.join(cfg.run_dir, "checkpoints"),
@@ -157,10 +200,11 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
     )
     state, start, cursor = _restore_or_init(cfg, learner, ckpt)
     logger = _open_logger(cfg, files.local_dir, process, start)
-    eval_examples = list(task.eval_examples())[: cfg.task.num_eval]
-    if start == 0 and eval_examples:
-        logger.log(0, _prefixed(learner.evaluate(state, eval_examples), "eval/"))
     data = DataStream(task, cfg.seed, cursor)
+    held_out = HeldOut(cfg, learner, task, say)
+    say(run_header(_header_info(cfg, learner, data, held_out, start)))
+    if start == 0 and held_out.due(0):
+        logger.log(0, held_out(state, 0))
     bar = ProgressBar(cfg.steps, start, enabled=cfg.logging.progress and process == 0)
     metrics: dict[str, Any] = {}
     step = start
@@ -174,8 +218,8 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
                 step += 1
                 metrics = {**metrics, "time/step": time.perf_counter() - t0}
                 check_dead_run(step, metrics)
-                if step == cfg.steps and eval_examples:
-                    metrics.update(_prefixed(learner.evaluate(state, eval_examples), "eval/"))
+                if held_out.due(step):
+                    metrics.update(held_out(state, step))
                 # Checkpoint before logging: once a step's metrics line exists, so does its
                 # checkpoint (when due), which is what a watcher killing the run relies on.
                 saved = ckpt.save(step, state, _meta(cfg, step, data))
@@ -184,11 +228,65 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
                     files.upload()
     finally:
         _final_save(ckpt, step, start, state, _meta(cfg, step, data))
+        latest = ckpt.latest_step()
         ckpt.close()
         bar.close()
         logger.close()
         files.upload()
+    if process == 0 and step > start:
+        say(run_summary(_summary_info(cfg, files.local_dir, step, t_run, held_out, latest)))
     return metrics
+
+
+def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
+    return {
+        "model": cfg.model.source,
+        "params": learner.n_params,
+        "trainable": learner.n_trainable,
+        "lora_rank": cfg.model.lora_rank,
+        "task": cfg.task.name,
+        "train_size": data.size,
+        "eval_size": len(held_out.examples),
+        "prompts_per_step": cfg.rl.prompts_per_step,
+        "group_size": cfg.rl.group_size,
+        "steps": cfg.steps,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "mesh": dict(learner.mesh.shape),
+        "run_dir": cfg.run_dir,
+        "start": start,
+        "cache_dir": jax.config.jax_compilation_cache_dir,
+    }
+
+
+def _summary_info(cfg, log_dir, step, t_run, held_out, latest) -> dict[str, Any]:
+    """What the closing summary names: files written, plots drawn now, the next commands."""
+    run_dir = cfg.run_dir
+    files = [("metrics", os.path.join(log_dir, "metrics.jsonl"))]
+    if cfg.logging.samples_every:
+        files.append(("samples", os.path.join(log_dir, "samples.jsonl")))
+    if cfg.logging.tensorboard:
+        files.append(("tensorboard", os.path.join(log_dir, "tensorboard")))
+    try:
+        pngs = plot.plot_runs([log_dir], os.path.join(log_dir, "plots"))
+        files.append(("plots", f"{pngs[0]} (and {len(pngs) - 1} more PNG)"))
+    except Exception as e:  # plots are a convenience: never fail a finished run over them
+        warn_once("plot/failed", f"could not draw the run's plots: {e}")
+    if latest is not None:
+        files.append(("checkpoints", f"{RunFiles.join(run_dir, 'checkpoints')} (step {latest})"))
+    commands = [
+        f"python -m jaxgrpo.plot {run_dir}",
+        f"python -m jaxgrpo.evaluate --checkpoint {run_dir} --base",
+        f"python -m jaxgrpo.export {run_dir} {RunFiles.join(run_dir, 'export')}",
+    ]
+    return {
+        "steps": step,
+        "seconds": time.perf_counter() - t_run,
+        "before": held_out.first,
+        "after": held_out.last,
+        "files": files,
+        "commands": commands,
+    }
 
 
 def _record(cfg: TrainConfig, logger, bar, step: int, metrics: dict, samples: list) -> None:
@@ -203,8 +301,6 @@ def _record(cfg: TrainConfig, logger, bar, step: int, metrics: dict, samples: li
 
 def _open_logger(cfg: TrainConfig, log_dir: str, process: int, start: int):
     """Metrics sinks (lines of steps after ``start`` dropped) and the config snapshot."""
-    from jaxgrpo.logging import MetricsLogger
-
     logger = MetricsLogger(
         log_dir,
         process,
@@ -227,8 +323,6 @@ def _final_save(ckpt: Any, step: int, start: int, state: Any, meta: dict) -> Non
     try:
         ckpt.save(step, state, meta, force=True)
     except Exception as e:  # an interrupted step may have donated (deleted) the state
-        from jaxgrpo.logging import warn_once
-
         warn_once("checkpoint/exit", f"could not checkpoint step {step} at exit: {e!r}")
 
 
@@ -250,7 +344,6 @@ def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, in
             f"(latest step {latest}); set --config.resume=True or choose another run_dir"
         )
     state, meta = ckpt.restore(state, latest)
-    print(f"resuming {cfg.run_dir} from step {latest}", flush=True)
     return state, latest, int(meta["data_cursor"])
 
 
@@ -277,8 +370,6 @@ def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> li
 
 def build_parts(cfg: TrainConfig) -> dict[str, Any]:
     """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
-    import jax
-
     from jaxgrpo import sharding
     from jaxgrpo.rewards import RewardSet
     from jaxgrpo.rl.learner import Learner
@@ -352,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     use_cpu_xla_flags()
     keep_freed_memory()
+    quiet_libraries()
+    enable_compilation_cache()
     argv = list(sys.argv if argv is None else argv)
     try:
         argv = resolve_argv(argv)
@@ -371,8 +464,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(f"error: {e}")
         try:
             run(cfg)
-        except (ConfigError, OSError) as e:
-            # Bad input (config, missing file, unreachable hub id): one clear line, no traceback.
+        except (ConfigError, OSError, MissingExtra) as e:
+            # Bad input (config, missing file, unreachable hub id, a missing optional package):
+            # one clear line, no traceback.
             sys.exit(f"error: {e}")
 
     def _parse(args):

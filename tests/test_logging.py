@@ -58,9 +58,15 @@ def test_resume_drops_rerun_steps_and_only_process_zero_writes(tmp_path):
 
 def test_progress_text_and_dead_run_warnings(capsys):
     text = jlog.ProgressBar.describe(
-        {"reward/mean": 0.5, "kl/mean": 0.001, "time/sampling": 2.0, "time/update": 1.5}
+        {
+            "reward/mean": 0.5,
+            "accuracy": 0.25,
+            "kl/mean": 0.001,
+            "time/sampling": 2.0,
+            "time/update": 1.5,
+        }
     )
-    assert text == "reward=0.500 kl=0.0010 s=3.5 (sample 2.0|update 1.5)"
+    assert text == "reward=0.500 acc=0.25 kl=0.0010 s=3.5 (sample 2.0|update 1.5)"
     bar = jlog.ProgressBar(total=3, enabled=False)
     bar.update(1, {})  # disabled bars accept updates
     bar.close()
@@ -72,7 +78,13 @@ def test_progress_text_and_dead_run_warnings(capsys):
     assert jlog.check_dead_run(2, dead) == ["dead_run/truncated", "dead_run/constant_reward"]
     assert jlog.check_dead_run(3, dead) == [], "each warning fires once"
     err = capsys.readouterr().err
-    assert err.count("WARNING") == 2 and "every completion was truncated" in err
+    assert err.count("warning:") == 2 and "every completion was truncated" in err
+    assert err.count("\n") == 2, f"each warning is one line, printed once: {err!r}"
+
+    solved = {"completion/truncated_frac": 0.0, "reward/std": 0.0, "accuracy": 1.0}
+    assert jlog.check_dead_run(4, solved) == ["dead_run/solved"]
+    out = capsys.readouterr()
+    assert "solved" in out.out and "does not move" not in out.out + out.err
 
 
 def test_wandb_enabled_but_not_installed_warns_and_keeps_logging(tmp_path, capsys):

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxgrpo import train
+from jaxgrpo import sharding, train
 from jaxgrpo.config import ConfigError, load_config
 from jaxgrpo.data import get_task
 
@@ -60,8 +60,11 @@ class _ToyLearner:
     or restores the key wrongly, changes it.
     """
 
+    n_params, n_trainable = 3, 3
+
     def __init__(self, stop_at=None):
         self.seen, self.stop_at = [], stop_at
+        self.mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
 
     def init_state(self):
         return {"w": jnp.zeros(3, jnp.float32), "rng": jax.random.key(0), "n": jnp.int32(0)}
@@ -186,3 +189,43 @@ def test_run_files_for_remote_run_dirs(tmp_path, monkeypatch):
     assert (tmp_path / "dst" / "config.json").read_text() == "{}"
     local._copy(str(tmp_path / "src"), str(tmp_path / "dst"))
     assert (tmp_path / "dst" / "metrics.jsonl").read_text() == "new"
+
+
+@pytest.mark.slow
+def test_cli_reports_the_run_and_a_rerun_compiles_nothing(tmp_path):
+    """The header, held-out lines and summary a user sees; the second identical run reads every
+    program from the persistent compilation cache instead of compiling it."""
+    env = {
+        **os.environ,
+        "JAX_PLATFORMS": "cpu",
+        "JAX_LOG_COMPILES": "1",
+        "JAXGRPO_CACHE_DIR": str(tmp_path / "cache"),
+    }
+    runs = []
+    for name in ("first", "second"):
+        args = ["--config", "tiny", f"--config.run_dir={tmp_path / name}", "--config.steps=2"]
+        cmd = [sys.executable, "-m", "jaxgrpo.train", *args, "--config.eval.every=1"]
+        runs.append(subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300))
+    first, second = runs
+    assert first.returncode == 0, first.stderr[-2000:]
+    out = first.stdout
+    for text in (
+        "model    tiny: ",
+        "LoRA rank 4",
+        "task     format_copy: ",
+        f"devices  {jax.device_count()} x cpu, mesh data={jax.device_count()} fsdp=1 tensor=1",
+        f"run dir  {tmp_path / 'first'} (new run)",
+        "held-out before training: strict 0/4",
+        "held-out at step 1: strict",
+        "held-out at step 2: strict",
+        "done: 2 steps in ",
+        f"python -m jaxgrpo.export {tmp_path / 'first'} ",
+        os.path.join(str(tmp_path / "first"), "plots", "dashboard.png"),
+    ):
+        assert text in out, f"{text!r} missing from the run's output:\n{out}"
+    rows = _rows(tmp_path / "first")
+    assert [r["step"] for r in rows] == [0, 1, 2] and all("eval/strict_accuracy" in r for r in rows)
+    compiled = [r.stderr.count("Finished XLA compilation") for r in runs]
+    hits = [r.stderr.count("Persistent compilation cache hit") for r in runs]
+    assert compiled[0] > 10 and hits[0] == 0, (compiled, hits)
+    assert hits[1] == compiled[1] == compiled[0], f"second run: {hits[1]} of {compiled[1]} cached"

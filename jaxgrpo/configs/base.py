@@ -126,6 +126,9 @@ def _logging() -> ConfigDict:
 
 def _eval() -> ConfigDict:
     c = ConfigDict()
+    # held-out evaluation during training (greedy, sampling.max_new_tokens) every N steps, as
+    # well as before the first and after the last step; 0 = only before and after
+    c.every = 0
     c.num_samples = 8  # completions per held-out prompt (pass@k for every k <= num_samples)
     c.max_new_tokens = 512  # completion length at evaluation (the seed study's 512)
     c.temperature = 0.6  # sampling temperature at evaluation; 0 = greedy (then use 1 sample)
@@ -152,5 +155,5 @@ def get_config() -> ConfigDict:
     c.mesh = _mesh()  # device mesh and hosts
     c.checkpoint = _checkpoint()  # orbax checkpoints
     c.logging = _logging()  # metrics, samples, progress
-    c.eval = _eval()  # python -m jaxgrpo.evaluate defaults (its flags override them)
+    c.eval = _eval()  # held-out evaluation: during training, and python -m jaxgrpo.evaluate
     return c

@@ -53,4 +53,7 @@ def get_config():
     c.optim.schedule = "constant"
     c.checkpoint.every = 20
     c.logging.samples_every = 5
+    c.eval.every = 5  # held-out accuracy at steps 0, 5, 10, 15 and 20
+    c.eval.max_new_tokens = 32  # python -m jaxgrpo.evaluate: the answers are a few tokens long
+    c.eval.num_samples = 4
     return c

@@ -27,6 +27,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
+from jaxgrpo.runtime import require
+
 Example = dict[str, Any]
 Message = dict[str, str]
 
@@ -195,8 +197,7 @@ def _as_dict(record: Any, path: str, number: int) -> dict[str, Any]:
 
 def read_hub(hub_id: str, split: str, config: str | None = None) -> list[Row]:
     """Loads a hub data set split through ``datasets.load_dataset`` (downloads; users only)."""
-    import datasets  # Local import: hub access is optional and never happens in tests.
-
+    datasets = require("datasets", "data", f"loading the hub data set {hub_id!r}")
     records = datasets.load_dataset(hub_id, config, split=split)
     source = f"{hub_id}[{split}]"
     return [Row(dict(r), source, i + 1) for i, r in enumerate(records)]

@@ -74,6 +74,7 @@ class Learner:
         self.frozen_sh = sharding.param_shardings(frozen_state, self.mesh, rules)
         self._params0 = _place(params, self.param_sh)
         self.n_params = sum(x.size for x in jax.tree.leaves((params, frozen_state)))
+        self.n_trainable = sum(x.size for x in jax.tree.leaves(params))
         self.frozen = _place(frozen_state, self.frozen_sh)
         self.replicated = NamedSharding(self.mesh, PartitionSpec())
         self._check_batch_layout()
