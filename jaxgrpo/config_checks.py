@@ -15,6 +15,8 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
+from jaxgrpo import presets
+
 LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 
 
@@ -147,15 +149,35 @@ def _check_rl(cfg: ConfigDict) -> None:
     if r.ref_reset_optimizer:
         msg = "needs rl.ref_reset_every > 0"
         _require(r.ref_reset_every > 0, "rl.ref_reset_optimizer", msg, True)
-    batch = r.prompts_per_step * r.group_size
-    split = r.num_minibatches * r.grad_accum
-    key = "rl.grad_accum" if r.grad_accum > 1 else "rl.num_minibatches"
+    check_batch_layout(r, None)
+
+
+def check_batch_layout(rl: Any, shards: int | None) -> None:
+    """The batch split the learner relies on; shared by ``validate`` and the ``Learner``.
+
+    A minibatch holds whole groups, so ``num_minibatches * grad_accum`` must divide
+    ``prompts_per_step``; a micro-batch of ``prompts_per_step * group_size /
+    (num_minibatches * grad_accum)`` sequences is split over the ``data * fsdp`` devices
+    (``shards``; None skips that part), so it must be a multiple of them.
+    """
+    split = rl.num_minibatches * rl.grad_accum
+    key = "rl.grad_accum" if rl.grad_accum > 1 else "rl.num_minibatches"
     _require(
-        batch % split == 0,
+        rl.prompts_per_step % split == 0,
         key,
-        f"num_minibatches * grad_accum = {split} must divide the batch "
-        f"prompts_per_step * group_size = {batch}",
-        r[key[3:]],
+        f"num_minibatches * grad_accum = {split} must divide rl.prompts_per_step = "
+        f"{rl.prompts_per_step}: minibatches hold whole groups",
+        getattr(rl, key[3:]),
+    )
+    if shards is None:
+        return
+    micro = rl.prompts_per_step * rl.group_size // split
+    _require(
+        micro % shards == 0,
+        "rl.prompts_per_step",
+        f"a micro-batch of (prompts_per_step * group_size) / (num_minibatches * grad_accum)"
+        f" = {micro} sequences must be divisible by mesh data * fsdp = {shards}",
+        rl.prompts_per_step,
     )
 
 
@@ -176,6 +198,15 @@ def _check_eval(cfg: ConfigDict) -> None:
     _require("completion" in fields, "eval.judge_prompt", msg, e.judge_prompt)
 
 
+def _check_source(source: str) -> None:
+    """``random:<name>`` must name a known architecture (other sources are checked on load)."""
+    if source.startswith(presets.RANDOM_PREFIX):
+        name = source.removeprefix(presets.RANDOM_PREFIX)
+        known = ", ".join(presets.ARCHITECTURES)
+        ok = name in presets.ARCHITECTURES
+        _require(ok, "model.source", f"unknown architecture {name!r}; known: {known}", source)
+
+
 def check_mesh(cfg: Any, num_devices: int | None) -> dict[str, int]:
     """Mesh checks for a ConfigDict or a TrainConfig; returns the (resolved) axis sizes."""
     m, r = cfg.mesh, cfg.rl
@@ -191,15 +222,7 @@ def check_mesh(cfg: Any, num_devices: int | None) -> dict[str, int]:
         if fills:
             sizes[fills[0]] = num_devices // known
     if -1 not in (sizes["data"], sizes["fsdp"]):
-        shards = sizes["data"] * sizes["fsdp"]
-        micro = r.prompts_per_step * r.group_size // (r.num_minibatches * r.grad_accum)
-        _require(
-            micro % shards == 0,
-            "rl.prompts_per_step",
-            f"a micro-batch of (prompts_per_step * group_size) / (num_minibatches * grad_accum)"
-            f" = {micro} sequences must be divisible by mesh data * fsdp = {shards}",
-            r.prompts_per_step,
-        )
+        check_batch_layout(r, sizes["data"] * sizes["fsdp"])
     msg = "must be >= -1 (0 = from env, -1 = JAX discovers)"
     _require(m.num_processes >= -1, "mesh.num_processes", msg, m.num_processes)
     return sizes
@@ -220,6 +243,7 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     _require(bool(cfg.run_dir), "run_dir", "must not be empty", cfg.run_dir)
     _one_of(cfg, "model.dtype", ("float32", "bfloat16"))
     _one_of(cfg, "model.param_dtype", ("float32", "bfloat16"))
+    _check_source(cfg.model.source)
     _one_of(cfg, "model.layer_loop", ("auto", "scan", "unroll"))
     _require(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0", cfg.model.lora_rank)
     _require(cfg.model.lora_alpha > 0, "model.lora_alpha", "must be > 0", cfg.model.lora_alpha)

@@ -33,39 +33,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxgrpo.models.config import LORA_TARGETS, ModelConfig
-from jaxgrpo.presets import GIB, PRESETS, get_preset
+from jaxgrpo.presets import (
+    ARCHITECTURES,
+    GIB,
+    PRESETS,
+    RANDOM_PREFIX,
+    find_architecture,
+    get_preset,
+)
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 LOGITS_CHUNK = 64  # positions per logits block in rl/logprobs.py
-
-# Shapes of common checkpoints (their config.json), so no download is needed to plan a run.
-KNOWN_MODELS: dict[str, dict[str, Any]] = {
-    "SmolLM2-135M": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536,
-                         num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
-                         tie_embeddings=True),
-    "Qwen2.5-0.5B": dict(arch="qwen2", vocab_size=151936, hidden_size=896,
-                         intermediate_size=4864, num_layers=24, num_heads=14, num_kv_heads=2,
-                         head_dim=64, qkv_bias=True, tie_embeddings=True),
-    "Llama-3.2-1B": dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,
-                         tie_embeddings=True),
-    "Llama-3.2-3B": dict(vocab_size=128256, hidden_size=3072, intermediate_size=8192,
-                         num_layers=28, num_heads=24, num_kv_heads=8, head_dim=128,
-                         tie_embeddings=True),
-    "Qwen2.5-7B": dict(arch="qwen2", vocab_size=152064, hidden_size=3584,
-                       intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
-                       head_dim=128, qkv_bias=True),
-    "Llama-3.1-8B": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                         num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128),
-    "Qwen3-14B": dict(arch="qwen3", vocab_size=151936, hidden_size=5120,
-                      intermediate_size=17408, num_layers=40, num_heads=40, num_kv_heads=8,
-                      head_dim=128, qk_norm=True),
-    "Qwen2.5-32B": dict(arch="qwen2", vocab_size=152064, hidden_size=5120,
-                        intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
-                        head_dim=128, qkv_bias=True),
-    "Llama-3.1-70B": dict(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                          num_layers=80, num_heads=64, num_kv_heads=8, head_dim=128),
-}  # fmt: skip
+# Architectures that repeat another one's shape: left out of the fit table.
+TABLE_DUPLICATES = ("Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B-Instruct-abliterated")
 
 
 def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
@@ -213,8 +193,8 @@ def model_config(source: str, *, lora: Any = None, **overrides: Any) -> ModelCon
     """The ``ModelConfig`` of a model source without loading weights.
 
     Args:
-      source: ``"tiny"``, ``"smollm2"``, a ``KNOWN_MODELS`` name (or a hub id containing one,
-        case-insensitive), a local HF directory or a ``.gguf`` file.
+      source: ``"tiny"``, ``"smollm2"``, an ``ARCHITECTURES`` name or ``random:<name>`` (or
+        a hub id containing one, case-insensitive), a local HF directory or a ``.gguf`` file.
       lora: ``LoRAConfig`` or None.
       **overrides: ModelConfig fields (dtype, param_dtype, remat).
 
@@ -229,16 +209,17 @@ def model_config(source: str, *, lora: Any = None, **overrides: Any) -> ModelCon
         return tiny_model_config().replace(lora=lora, **overrides)
     if source == "smollm2":
         source = "SmolLM2-135M"
-    for name, fields in KNOWN_MODELS.items():
-        if name.lower() in source.lower().replace("meta-llama", "llama"):
-            return ModelConfig(**fields, lora=lora, **overrides)
+    name = find_architecture(source.removeprefix(RANDOM_PREFIX))
+    if name is not None and not os.path.exists(os.path.expanduser(source)):
+        hf = ARCHITECTURES[name]
+        return ModelConfig.from_hf_config(hf, lora=lora, **overrides)
     if os.path.exists(os.path.expanduser(source)):
         from jaxgrpo.models import read_source
 
         return ModelConfig.from_hf_config(read_source(source)[0], lora=lora, **overrides)
     raise ValueError(
         f"unknown model source {source!r} for the memory estimate: pass a local directory, a "
-        f".gguf file, or one of {', '.join(KNOWN_MODELS)} (--model)"
+        f".gguf file, or one of {', '.join(ARCHITECTURES)} (--model)"
     )
 
 
@@ -321,10 +302,12 @@ def fit_table(run: RunShape, presets: Sequence[str], lora_rank: int = 16) -> str
     runs = {p: run.with_grad_accum(fitting_grad_accum(run, PRESETS[p].mesh)) for p in presets}
     header = "| model | params | tuning | " + " | ".join(presets) + " |"
     lines = [header, "|---|---:|---|" + "---:|" * len(presets)]
-    for name, fields in KNOWN_MODELS.items():
-        base = dict(fields, dtype="bfloat16", param_dtype="bfloat16", remat=True)
+    for name, fields in ARCHITECTURES.items():
+        if name in TABLE_DUPLICATES:
+            continue
+        base = dict(dtype="bfloat16", param_dtype="bfloat16", remat=True)
         for tuning, lora in (("LoRA", LoRAConfig(rank=lora_rank)), ("full", None)):
-            cfg = ModelConfig(**base, lora=lora)
+            cfg = ModelConfig.from_hf_config(fields, **base, lora=lora)
             cells = []
             for preset in presets:
                 p = PRESETS[preset]

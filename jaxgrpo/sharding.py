@@ -23,6 +23,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxgrpo import presets
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 Rules = tuple[tuple[str, str | tuple[str, ...] | None], ...]
@@ -49,7 +51,17 @@ TRAIN_RULES: Rules = (
 )
 
 # Sampling: weights replicated over fsdp (no all-gather per decode step), tensor-parallel only.
-SAMPLE_RULES: Rules = tuple((k, None) if k == "embed" else (k, v) for k, v in TRAIN_RULES)
+# The decode layers' [out, in] matrices split their input dimension over tensor (one
+# all-reduce of a few activation rows per projection), which keeps the fused q/k/v and
+# gate/up matrices whole per output row.
+SAMPLE_RULES: Rules = tuple((k, None) if k == "embed" else (k, v) for k, v in TRAIN_RULES) + (
+    ("decode_out", None),
+    ("decode_in", "tensor"),
+)
+
+# Fraction of a chip's HBM the sampler may spend on weights replicated over data x fsdp: the
+# decode program holds them twice (the resharded state and the per-layer decode matrices).
+SAMPLE_WEIGHT_FRACTION = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +70,25 @@ class ShardingCtx:
 
     mesh: Mesh
     rules: Rules = TRAIN_RULES
+
+
+def sampling_rules(mesh: Mesh, weight_bytes: float) -> Rules:
+    """The rules the sampler decodes under on ``mesh``, for weights of ``weight_bytes``.
+
+    ``SAMPLE_RULES`` (weights replicated over data x fsdp, split over tensor) when the split
+    weights fit in ``SAMPLE_WEIGHT_FRACTION`` of a chip's memory, so a decode step needs no
+    collective beyond the tensor-parallel all-reduces; else ``TRAIN_RULES`` (weights stay
+    fsdp-sharded, every projection reduces over fsdp at every token): give such a slice a
+    tensor axis (the 64-chip presets have one) to decode a large model replicated.
+    """
+    chip = presets.chip_of(mesh.devices.flat[0])
+    per_chip = weight_bytes / mesh.shape["tensor"]
+    return SAMPLE_RULES if per_chip <= SAMPLE_WEIGHT_FRACTION * chip.hbm_bytes else TRAIN_RULES
+
+
+def rules_name(rules: Rules) -> str:
+    """ "train", "sample" or "custom"."""
+    return {TRAIN_RULES: "train", SAMPLE_RULES: "sample"}.get(rules, "custom")
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:

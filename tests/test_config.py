@@ -36,7 +36,8 @@ BAD_OVERRIDES = [
     ({"rl.eps_low": -0.1}, "rl.eps_low"),
     ({"rl.group_size": 1}, "rl.group_size"),
     ({"rl.num_minibatches": 3}, "rl.num_minibatches"),
-    ({"rl.grad_accum": 4}, "rl.prompts_per_step"),  # micro-batch of 2 over 4 data shards
+    ({"rl.grad_accum": 2, "mesh.data": 8}, "rl.prompts_per_step"),  # 4 sequences, 8 shards
+    ({"rl.grad_accum": 4}, "rl.grad_accum"),  # 4 micro-batches of 2 prompts: not whole groups
     ({"rl.grad_accum": 16}, "rl.grad_accum"),  # 16 micro-batches of an 8-sequence batch
     ({"rl.kl_in_reward": True, "rl.beta": 0.0}, "rl.kl_in_reward"),
     ({"rl.ref_reset_optimizer": True}, "rl.ref_reset_optimizer"),

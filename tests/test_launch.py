@@ -119,10 +119,12 @@ def test_preset_flags_validate_against_the_config():
     flags = presets.get_preset("v5litepod-8").flags()
     assert flags == ["--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.mesh.tensor=1"]
     cfg = presets.apply_preset(config_lib.load_config_dict("gsm8k_hard"), "v5e-64")
+    train_cfg = config_lib.to_train_config(cfg, num_devices=64)  # 16 x 8 / 4 = 32 rows over 16
+    assert train_cfg.mesh.shape() == {"data": 1, "fsdp": 16, "tensor": 4}
+    cfg = presets.apply_preset(config_lib.load_config_dict("gsm8k_hard"), "v5e-256")
     with pytest.raises(config_lib.ConfigError, match="divisible by mesh data \\* fsdp = 64"):
-        config_lib.to_train_config(cfg, num_devices=64)  # 16 x 8 / grad_accum 4 = 32 rows
+        config_lib.to_train_config(cfg, num_devices=256)
     cfg.rl.grad_accum = 2
-    train_cfg = config_lib.to_train_config(cfg, num_devices=64)
-    assert train_cfg.mesh.shape() == {"data": 4, "fsdp": 16, "tensor": 1}
+    config_lib.to_train_config(cfg, num_devices=256)
     with pytest.raises(KeyError, match="known presets"):
         presets.get_preset("v7-8")

@@ -4,6 +4,12 @@
     model, tokenizer = load_model("path/to/hf_dir" | "org/name" | "model.gguf")
     logits_BTV = model(ids_BP, attention_mask=mask_BP)
 
+``load_model("random:Qwen2.5-1.5B")`` builds random weights of a ``jaxgrpo.presets.ARCHITECTURES``
+shape instead (benchmarks, compile checks, GPU runs with no download). Its tokenizer is the
+tiny byte-level BPE of ``jaxgrpo.rl.tiny`` (384 ids, ChatML template), whose ids fit any of
+those vocabularies: prompts tokenize as they would for the tiny model, so lengths and costs are
+those of the real model only up to the tokenizer's compression.
+
 ``load_model`` reads the architecture from ``config.json`` (or GGUF metadata), builds a
 ``Transformer`` (sharded at creation when a mesh is given, see ``jaxgrpo.sharding``), then fills
 it tensor family by tensor family from memory-mapped files (``weights.load_hf_tensors``), so the
@@ -24,9 +30,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from jaxgrpo import presets, sharding
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.tokenizer import Tokenizer
-from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.models.transformer import Transformer, random_transformer
+from jaxgrpo.rl.tiny import tiny_tokenizer
 
 __all__ = [
     "LoRAConfig",
@@ -242,6 +250,20 @@ def _empty_model(cfg: ModelConfig, seed: int, mesh=None, rules=None) -> Transfor
     return model
 
 
+def _random_model(source: str, fields: dict, mesh, rules, tokenizer, seed: int):
+    """``(model, tokenizer)`` of ``random:<name>``: random weights, the tiny BPE tokenizer."""
+    name = source.removeprefix(presets.RANDOM_PREFIX)
+    if name not in presets.ARCHITECTURES:
+        known = ", ".join(presets.ARCHITECTURES)
+        raise ValueError(f"Unknown architecture {name!r} in {source!r}; known: {known}.")
+    cfg = ModelConfig.from_hf_config(presets.ARCHITECTURES[name], **fields)
+    if mesh is None:
+        model = random_transformer(cfg, seed)
+    else:
+        model = sharding.create_sharded_model(cfg, mesh, rules or sharding.TRAIN_RULES, seed)
+    return model, _as_tokenizer(tokenizer, tiny_tokenizer)
+
+
 def load_model(
     source: str | os.PathLike,
     dtype: str = "float32",
@@ -259,8 +281,8 @@ def load_model(
 
     Args:
       source: a Hugging Face directory (config.json plus model.safetensors, or shards with
-        model.safetensors.index.json), a hub id (downloaded when the hub is reachable), or a
-        .gguf file.
+        model.safetensors.index.json), a hub id (downloaded when the hub is reachable), a
+        .gguf file, or ``random:<name>`` (random weights of an ``ARCHITECTURES`` shape).
       dtype: compute dtype, "float32" or "bfloat16"; also the parameter dtype unless
         ``param_dtype`` is given.
       lora: adapters to add (``LoRAConfig`` or its fields as a dict), B = 0 so the loaded model
@@ -288,15 +310,17 @@ def load_model(
     from jaxgrpo.models.weights import load_hf_tensors
 
     start = time.perf_counter()
-    hf, get_tensor, make_tokenizer = read_source(source)
-    cfg = ModelConfig.from_hf_config(
-        hf,
+    fields = dict(
         param_dtype=param_dtype or dtype,
         dtype=dtype,
         lora=_as_lora(lora),
         remat=remat,
         unroll_layers=unroll_layers,
     )
+    if os.fspath(source).startswith(presets.RANDOM_PREFIX):
+        return _random_model(os.fspath(source), fields, mesh, rules, tokenizer, seed)
+    hf, get_tensor, make_tokenizer = read_source(source)
+    cfg = ModelConfig.from_hf_config(hf, **fields)
     tok = _as_tokenizer(tokenizer, make_tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(

@@ -28,9 +28,10 @@ import math
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from jaxgrpo.models.layers import apply_rope, attend_shared_prompt, rms_norm
-from jaxgrpo.sharding import ShardingCtx, shard_act
+from jaxgrpo.sharding import ShardingCtx, logical_to_spec, shard_act
 from jaxgrpo.types import Array
 
 _HEAD_AXES = ("act_batch", "act_length", "act_heads", "act_head_dim")
@@ -99,6 +100,20 @@ def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
         k_norm=norm(attn.k_norm),
         eps=eps,
     )
+
+
+def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None) -> DecodeLayer:
+    """Pins the layer's matrices to the rules' ``decode_out`` x ``decode_in`` layout (rules
+    without those names, like the training rules, leave XLA to choose); vectors replicate."""
+    if ctx is None or "decode_in" not in dict(ctx.rules):
+        return w
+
+    def pin(x):
+        names = ("decode_out", "decode_in") if x.ndim == 2 else (None,) * x.ndim
+        spec = logical_to_spec(names, ctx.rules, x.shape, ctx.mesh)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
+
+    return jax.tree.map(pin, w)
 
 
 def _project(x_BTI: Array, w_OI: Array, b_O: Array | None) -> Array:

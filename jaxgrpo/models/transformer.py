@@ -25,7 +25,12 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.models.decode import DecodeLayer, decode_layer, decode_layer_from_block
+from jaxgrpo.models.decode import (
+    DecodeLayer,
+    decode_layer,
+    decode_layer_from_block,
+    shard_decode_layer,
+)
 from jaxgrpo.models.kv_cache import KVCache, LayerKVCache
 from jaxgrpo.models.layers import (
     Einsum,
@@ -361,7 +366,8 @@ class Transformer(nnx.Module):
         layers = []
         for i in range(self.cfg.num_layers):
             block = merge_lora(nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state)))
-            layers.append(decode_layer_from_block(block, self.cfg.rms_norm_eps, dtype))
+            layer = decode_layer_from_block(block, self.cfg.rms_norm_eps, dtype)
+            layers.append(shard_decode_layer(layer, self.shard_ctx))
         return layers
 
     def _run_decode_layers(self, layers, x_BTD, cos, sin, mask_BTS, cache):

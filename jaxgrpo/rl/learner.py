@@ -30,6 +30,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo import sharding
+from jaxgrpo.config_checks import check_batch_layout
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import evaluation, step_metrics
 from jaxgrpo.rl import rollout as ro
@@ -54,7 +55,9 @@ class Learner:
     Args:
         cfg: the run's `TrainConfig`.
         model: the policy `Transformer` (with LoRA adapters when `cfg.model.lora_rank > 0`),
-            its parameters already placed on `mesh`.
+            its parameters already placed on `mesh`; or an abstract one (`nnx.eval_shape`),
+            whose parameters become sharded `jax.ShapeDtypeStruct`s: the programs are then
+            built as for a run and can be lowered and compiled (`jaxgrpo.compile`), but not run.
         tokenizer: `jaxgrpo.models.tokenizer.Tokenizer` with a chat template.
         task: the task (its name selects the accuracy rule).
         reward_set: `jaxgrpo.rewards.RewardSet`.
@@ -105,12 +108,7 @@ class Learner:
     # Set-up.
 
     def _check_batch_layout(self) -> None:
-        parts = self.rl.num_minibatches * self.rl.grad_accum
-        if self.rl.prompts_per_step % parts:
-            raise ValueError(
-                f"rl.prompts_per_step={self.rl.prompts_per_step} must be divisible by "
-                f"rl.num_minibatches * rl.grad_accum = {parts}: minibatches hold whole groups"
-            )
+        check_batch_layout(self.rl, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
 
     def _old_logp_source(self) -> str:
         """Where behaviour log-probs come from when an update is not on-policy."""
@@ -254,10 +252,25 @@ class Learner:
             state = state.replace(opt_state=self._opt_init(state.params))
         return state
 
+    def sampler_kwargs(self, step: int) -> dict[str, Any]:
+        """The keyword arguments of the step's `generate_from_state` call (rollouts)."""
+        sp, tok = self.cfg.sampling, self.tokenizer
+        return dict(
+            max_new_tokens=sp.max_new_tokens,
+            temperature=self._temperature(step),
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            eos_ids=tok.eos_ids,
+            num_samples=self.rl.group_size,
+            repetition_ngram=sp.repetition_guard[0],
+            repetition_count=max(sp.repetition_guard[1], 1),
+            pad_id=tok.pad_id,
+        )
+
     def _sample(self, state, examples, key, step, timer) -> ro.Rollout:
         """Samples G completions per example and scores them (one sampling round)."""
         g, tok = self.rl.group_size, self.tokenizer
-        sp = self.cfg.sampling
         with timer("sampling"):
             messages = [ex["messages"] for ex in examples]
             ids, mask = ro.trim_prompts(*tok.encode_chat(messages), self.buckets)
@@ -268,16 +281,7 @@ class Learner:
                 ro.put_global(ids, self.mesh),
                 ro.put_global(mask, self.mesh),
                 rng=key,
-                max_new_tokens=sp.max_new_tokens,
-                temperature=self._temperature(step),
-                top_p=sp.top_p,
-                top_k=sp.top_k,
-                min_p=sp.min_p,
-                eos_ids=tok.eos_ids,
-                num_samples=g,
-                repetition_ngram=sp.repetition_guard[0],
-                repetition_count=max(sp.repetition_guard[1], 1),
-                pad_id=tok.pad_id,
+                **self.sampler_kwargs(step),
             )
             host = {k: ro.to_host(getattr(out, k)) for k in step_metrics.SAMPLE_FIELDS}
             timer.add_tokens(int(host["lengths"].sum()))
@@ -404,9 +408,12 @@ class Learner:
 
 
 def _place(tree, shardings):
-    """Puts `tree` on `shardings`, leaving leaves that are already there untouched."""
+    """Puts `tree` on `shardings`, leaving leaves that are already there untouched; abstract
+    leaves become `jax.ShapeDtypeStruct`s carrying their sharding."""
 
     def put(x, s):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
         if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
             return x
         return jax.device_put(x, s)

@@ -11,6 +11,7 @@ from jaxgrpo.sampling.generate import (
     generate,
     generate_from_state,
     make_knobs,
+    sampler_programs,
 )
 from jaxgrpo.sampling.loop import Knobs, LoopConfig, SamplingState, StopReason, decode, prefill
 from jaxgrpo.sampling.schedules import (
@@ -42,6 +43,7 @@ __all__ = [
     "make_schedule",
     "piecewise",
     "prefill",
+    "sampler_programs",
     "select_tokens",
     "temperatures",
     "truncate",

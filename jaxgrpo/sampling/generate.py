@@ -11,13 +11,14 @@ nothing, whatever the temperature, top-p or min-p.
 """
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo import sharding
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
 from jaxgrpo.sampling.loop import Knobs, LoopConfig, SamplingState, decode, prefill
 from jaxgrpo.types import Array, PyTree
@@ -79,6 +80,30 @@ def _decode_step_fn(model: nnx.Module):
     return step_fn
 
 
+def _sampling_model(graphdef: nnx.GraphDef, states, model_cfg) -> nnx.Module:
+    """The model the decode loop runs, its weights resharded once to the sampling rules.
+
+    The prefill runs on the training layout (one pass, like a training forward). Before the
+    decode loop the weights move to ``sharding.sampling_rules`` (replicated over data x fsdp
+    when they fit), so the loop body's only collectives are the tensor-parallel all-reduces;
+    the resharded copy lives only while this program runs.
+    """
+    model = nnx.merge(graphdef, *states)
+    ctx = model.shard_ctx
+    if ctx is None:
+        return model
+    itemsize = jnp.dtype(model_cfg.dtype).itemsize
+    weight_bytes = sum(x.size * itemsize for x in jax.tree.leaves(states))
+    rules = sharding.sampling_rules(ctx.mesh, weight_bytes)
+    if rules == ctx.rules:
+        return model
+    shardings = [sharding.param_shardings(s, ctx.mesh, rules) for s in states]
+    states = jax.tree.map(jax.lax.with_sharding_constraint, tuple(states), tuple(shardings))
+    model = nnx.merge(graphdef, *states)
+    model.shard_ctx = sharding.ShardingCtx(ctx.mesh, rules)
+    return model
+
+
 @functools.lru_cache(maxsize=32)
 def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: str):
     """Jitted (prefill, decode) pair for one model structure and static loop settings.
@@ -95,7 +120,7 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
         return prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
 
     def decode_fn(states, state, knobs) -> SamplingState:
-        step_fn = _decode_step_fn(nnx.merge(graphdef, *states))
+        step_fn = _decode_step_fn(_sampling_model(graphdef, states, model_cfg))
         return decode(step_fn, None, state, knobs, cfg)
 
     return jax.jit(prefill_fn), jax.jit(decode_fn, donate_argnums=1)
@@ -143,7 +168,9 @@ def make_knobs(
     )
 
 
-def auto_compact_rows(n: int, rows_can_stop_early: bool) -> tuple[int, ...]:
+def auto_compact_rows(
+    n: int, rows_can_stop_early: bool, devices: int | None = None
+) -> tuple[int, ...]:
     """The default ``compact_rows``: N / 4 rows, then one row per device, once N >= 16, when
     rows can stop before the end.
 
@@ -151,11 +178,12 @@ def auto_compact_rows(n: int, rows_can_stop_early: bool) -> tuple[int, ...]:
     batches have a row that runs to 32), so most decode steps would run finished rows. Each
     level compiles another copy of the decode loop. On the 2-core CPU a SmolLM2-135M decode
     step took 182 ms for 32 rows, 92 ms for 8 and 33 ms for 1, so the last straggler runs
-    alone. The compacted rows must still split evenly over the devices.
+    alone. The compacted rows must still split evenly over the ``devices`` the rows are
+    sharded over (default: every device).
     """
     if not rows_can_stop_early or n < 16:
         return ()
-    devices = jax.device_count()
+    devices = devices or jax.device_count()
     levels = sorted({n // 4, devices}, reverse=True)
     return tuple(m for m in levels if 0 < m < n and m % devices == 0)
 
@@ -168,14 +196,18 @@ def _compact_levels(compact_rows: int | Sequence[int]) -> tuple[int, ...]:
     return levels
 
 
-def generate_from_state(
+def _devices_of(x) -> int | None:
+    """Devices a sharded (possibly abstract) array spans; None (= every device) for one."""
+    sharding = getattr(x, "sharding", None)
+    count = len(sharding.device_set) if sharding is not None else 1
+    return count if count > 1 else None
+
+
+def sampler_programs(
     graphdef: nnx.GraphDef,
-    states: Sequence[PyTree],
     model_cfg,
     prompt_ids: Array,
-    prompt_mask: Array,
     *,
-    rng: Array,
     max_new_tokens: int,
     temperature=1.0,
     top_p=1.0,
@@ -189,16 +221,16 @@ def generate_from_state(
     pad_id: int = 0,
     cache_dtype: str | None = None,
     compact_rows: int | Sequence[int] | None = None,
-) -> SampleOutput:
-    """``generate`` for a split model: ``nnx.merge(graphdef, *states)`` is the model.
+) -> tuple[Callable, Callable, Knobs]:
+    """The jitted ``(prefill, decode)`` of a ``generate_from_state`` call, and its knobs.
 
-    The trainer calls this with ``states = (base, lora)`` so nothing is re-split per step.
-    Arguments are those of ``generate``.
+    ``generate_from_state`` runs them; ``jaxgrpo.compile`` lowers them with abstract inputs
+    (``prompt_ids`` may be a sharded ``jax.ShapeDtypeStruct``). Arguments are ``generate``'s.
     """
     n = prompt_ids.shape[0] * int(num_samples)
     if compact_rows is None:
         can_stop_early = bool(eos_ids) or bool(repetition_ngram) or max_lengths is not None
-        compact_rows = auto_compact_rows(n, can_stop_early)
+        compact_rows = auto_compact_rows(n, can_stop_early, _devices_of(prompt_ids))
     cfg = LoopConfig(
         max_new_tokens=int(max_new_tokens),
         num_samples=int(num_samples),
@@ -224,6 +256,25 @@ def generate_from_state(
         repetition_count=repetition_count,
         pad_id=pad_id,
     )
+    return prefill_jit, decode_jit, knobs
+
+
+def generate_from_state(
+    graphdef: nnx.GraphDef,
+    states: Sequence[PyTree],
+    model_cfg,
+    prompt_ids: Array,
+    prompt_mask: Array,
+    *,
+    rng: Array,
+    **kwargs,
+) -> SampleOutput:
+    """``generate`` for a split model: ``nnx.merge(graphdef, *states)`` is the model.
+
+    The trainer calls this with ``states = (base, lora)`` so nothing is re-split per step.
+    Arguments are those of ``generate`` (``sampler_programs`` lists the keyword ones).
+    """
+    prefill_jit, decode_jit, knobs = sampler_programs(graphdef, model_cfg, prompt_ids, **kwargs)
     ids = jnp.asarray(prompt_ids, jnp.int32)
     mask = jnp.asarray(prompt_mask, jnp.int32)
     state = prefill_jit(tuple(states), ids, mask, knobs, rng)

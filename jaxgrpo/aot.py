@@ -1,0 +1,392 @@
+"""Ahead-of-time compilation of a GRPO step's programs for a slice that is not here.
+
+``jaxgrpo.compile`` is the command line; this module does the work. A ``Learner`` is built on
+an abstract model (``nnx.eval_shape``: shapes and shardings, no weights) over the target
+slice's devices (a TPU topology description from libtpu, or virtual CPU devices), and the very
+jitted functions the trainer calls are lowered with sharded ``jax.ShapeDtypeStruct``
+arguments and compiled: the sampler's prefill and decode loop, the scoring pass (reference and
+old policy), the update, and evaluation's greedy sampler. Each compiled program is read for
+its memory (``memory_analysis``), its collectives (from the HLO text, per while-loop body and
+weighted by trip counts) and compile time; FLOPs are counted analytically (``flops``), since
+XLA's cost analysis counts a loop body once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import time
+from types import SimpleNamespace
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxgrpo import flops, memory, presets, sharding
+from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.tokenizer import bucket_length
+from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.rl import rollout as ro
+from jaxgrpo.rl.learner import Learner
+from jaxgrpo.rl.tiny import tiny_tokenizer
+from jaxgrpo.rl.train_state import TrainState
+from jaxgrpo.sampling import sampler_programs
+
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
+                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+
+
+def topology_devices(preset: presets.Preset) -> list:
+    """The devices of ``preset``: a libtpu topology description, or this process's CPUs."""
+    if preset.topology is None:
+        devices = jax.devices()
+        if len(devices) < preset.devices:
+            raise ValueError(
+                f"{preset.name} needs {preset.devices} devices, have {len(devices)}: set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={preset.devices} first"
+            )
+        return devices[: preset.devices]
+    from jax.experimental import topologies  # needs libtpu: only for TPU targets
+
+    desc = topologies.get_topology_desc(
+        platform="tpu",
+        topology_name=preset.topology,
+        chip_config_name="megacore" if preset.chip == "v4" else "default",
+        chips_per_host_bounds=preset.chips_per_host,
+        num_slices=1,
+    )
+    return list(desc.devices)
+
+
+def model_config(cfg: Any, platform: str) -> ModelConfig:
+    """The run's ``ModelConfig`` from its model section, with the layer loop the trainer picks
+    on ``platform`` (``model.layer_loop = "auto"`` unrolls full fine-tuning on CPU only)."""
+    m = cfg.model
+    lora = None
+    if m.lora_rank > 0:
+        lora = LoRAConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
+    unroll = m.layer_loop == "unroll" or (
+        m.layer_loop == "auto" and m.lora_rank == 0 and platform == "cpu"
+    )
+    return memory.model_config(
+        m.source,
+        lora=lora,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        unroll_layers=unroll,
+    )
+
+
+def abstract_learner(cfg: Any, mesh, model_cfg: ModelConfig) -> Learner:
+    """A ``Learner`` over an abstract, sharded model: its programs lower, nothing runs."""
+    model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
+    model.shard_ctx = sharding.ShardingCtx(mesh, sharding.TRAIN_RULES)
+    return Learner(cfg, model, tiny_tokenizer(), SimpleNamespace(name="abstract"), None, mesh)
+
+
+def _abstract(x, sharding_):
+    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding_)
+
+
+def _batch(learner: Learner, prompt_len: int, t: int) -> ro.RolloutBatch:
+    """The update's rollout batch at its largest: prompts [B, P], completions [N, T]."""
+    b, g = learner.rl.prompts_per_step, learner.rl.group_size
+    n = b * g
+    host = ro.RolloutBatch(
+        prompt_ids=np.zeros((b, prompt_len), np.int32),
+        prompt_mask=np.zeros((b, prompt_len), np.int32),
+        tokens=np.zeros((n, t), np.int32),
+        mask=np.zeros((n, t), np.int32),
+        temps=np.zeros((n, t), np.float32),
+        sampler_logp=np.zeros((n, t), np.float32),
+        old_logp=np.zeros((n, t), np.float32),
+        ref_logp=np.zeros((n, t), np.float32),
+        advantages=np.zeros((n,), np.float32),
+        packing=ro.pack(np.full(n, t), g, t) if learner.rl.pack_completions else None,
+        shared_ids=np.zeros((1, 0), np.int32),
+    )
+    return jax.tree.map(_abstract, host, learner._batch_shardings())
+
+
+def _state(learner: Learner) -> TrainState:
+    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    scalar = jax.ShapeDtypeStruct((), jnp.int32)
+    abstract = TrainState(
+        params=learner._params0,
+        opt_state=jax.eval_shape(learner.optimizer.init, learner._params0),
+        step=scalar,
+        rng=key,
+        ref_params=learner._params0 if learner.needs_ref else None,
+        skipped=scalar,
+    )
+    return jax.tree.map(lambda x, s: _abstract_like(x, s), abstract, learner.state_sh)
+
+
+def _abstract_like(x, sharding_):
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_)
+
+
+@dataclasses.dataclass
+class Program:
+    """One compiled program of the step and what the report says about it.
+
+    Attributes:
+      name: ``sample/prefill``, ``sample/decode``, ``reference``, ``update``, ...
+      calls: times the step runs it.
+      compiled: the ``jax.stages.Compiled``.
+      lower_s / compile_s: seconds to lower and to compile.
+      flops: analytic FLOPs of one call, whole slice (with remat's recomputation).
+      model_flops: the same without recomputation (what MFU counts).
+      weight_bytes: parameter bytes per chip read by one call (roofline estimate).
+      loop_trips: trip count assumed for while loops XLA cannot count (the decode loop: T).
+      oom: the compiler's message when it refused the program for exceeding the chip's
+        memory (``compiled`` is then None).
+    """
+
+    name: str
+    calls: int
+    compiled: Any
+    lower_s: float
+    compile_s: float
+    flops: float
+    model_flops: float
+    weight_bytes: float
+    loop_trips: int = 1
+    oom: str | None = None
+
+
+def _compile(name, jitted, args, calls, flops, weight_bytes, loop_trips=1) -> Program:
+    """Lowers and compiles ``jitted`` on ``args``; ``flops`` is (hardware, model) FLOPs."""
+    start = time.perf_counter()
+    lowered = jitted.lower(*args)
+    mid = time.perf_counter()
+    oom = None
+    try:
+        compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program that cannot fit
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        compiled, oom = None, str(e)
+    end = time.perf_counter()
+    return Program(
+        name, calls, compiled, mid - start, end - mid, *flops, weight_bytes, loop_trips, oom
+    )
+
+
+_OOM = re.compile(
+    r"required for ([\w ]+?) \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"
+)
+
+
+def oom_bytes(message: str) -> tuple[int, int]:
+    """(bytes needed, bytes available) from XLA:TPU's out-of-memory message; (0, 0) when
+    the message says neither."""
+    m = _OOM.search(message)
+    if not m:
+        return 0, 0
+    size = lambda x, unit: int(float(x) * 1024 ** ("KMGT".index(unit) + 1))  # noqa: E731
+    return size(m.group(2), m.group(3)), size(m.group(4), m.group(5))
+
+
+def _knobs(knobs, replicated):
+    return jax.tree.map(lambda x: _abstract(x, replicated), knobs)
+
+
+def _sampler(learner, name, prompts, prompt_len, kwargs, devices) -> list[Program]:
+    """Compiles one ``generate_from_state`` call's prefill and decode."""
+    mesh, cfg = learner.mesh, learner.model_cfg
+    ids = _abstract(np.zeros((prompts, prompt_len), np.int32), ro.batch_sharding(mesh, prompts, 2))
+    prefill, decode, knobs = sampler_programs(learner.graphdef, cfg, ids, **kwargs)
+    knobs = _knobs(knobs, learner.replicated)
+    states = (learner._params0, learner.frozen)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=learner.replicated)
+    n, t = prompts * kwargs.get("num_samples", 1), kwargs["max_new_tokens"]
+    f = flops.prefill(cfg, prompts, prompt_len), flops.decode(cfg, n, prompt_len, t)
+    f = (f[0], f[0]), (f[1], f[1])
+    w = flops.weight_bytes(cfg) / devices
+    first = _compile(f"{name}/prefill", prefill, (states, ids, ids, knobs, rng), 1, f[0], w)
+    state = jax.eval_shape(prefill, states, ids, ids, knobs, rng)
+    if first.compiled is not None:
+        state = jax.tree.map(_abstract_like, state, first.compiled.output_shardings)
+    else:  # prefill did not fit: rows over data x fsdp, as the compiler would place them
+        rows = lambda x: (
+            ro.batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else learner.replicated
+        )  # noqa: E731
+        state = jax.tree.map(lambda x: _abstract_like(x, rows(x)), state)
+    decode_w = flops.weight_bytes(cfg) / mesh.shape["tensor"] * t  # read once per token
+    second = _compile(f"{name}/decode", decode, (states, state, knobs), 1, f[1], decode_w, t)
+    return [first, second]
+
+
+def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
+    """Compiles the step's programs whose names start with one of ``wanted`` (None: all)."""
+    rl, cfg = learner.rl, learner.model_cfg
+    b, n, d = rl.prompts_per_step, rl.prompts_per_step * rl.group_size, learner.mesh.size
+    want = lambda name: wanted is None or name.startswith(tuple(wanted))  # noqa: E731
+    programs = []
+    if want("sample"):
+        programs += _sampler(learner, "sample", b, p, learner.sampler_kwargs(0), d)
+    batch = _batch(learner, p, t)
+    inputs = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask, batch.temps)
+    score = (learner._params0, learner.frozen, *inputs, batch.packing, batch.shared_ids)
+    passes = int(learner.needs_ref) + int(learner.old_from == "forward")
+    w = flops.weight_bytes(cfg) / d
+    if passes and want("score"):
+        f = (flops.score(cfg, b, p, n, t),) * 2
+        programs.append(_compile("score (ref/old)", learner._logprobs, score, passes, f, w))
+    if want("update"):
+        m = b // (rl.num_minibatches * rl.grad_accum)
+        idx = jax.ShapeDtypeStruct((rl.grad_accum, m), jnp.int32, sharding=learner.replicated)
+        shape = (b // rl.num_minibatches, p, n // rl.num_minibatches, t)
+        f = flops.update(cfg, *shape), flops.update(cfg.replace(remat=False), *shape)
+        args = (_state(learner), learner.frozen, batch, idx)
+        calls = rl.ppo_epochs * rl.num_minibatches
+        programs.append(_compile("update", learner._update, args, calls, f, 3 * w))
+    if want("eval"):
+        tok = learner.tokenizer
+        # The arguments of jaxgrpo.rl.evaluation.evaluate's generate_from_state call.
+        kwargs = dict(max_new_tokens=t, temperature=0.0, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
+        programs += _sampler(learner, "eval", n, p, kwargs, d)
+    return programs
+
+
+def compile_step(
+    cfg: Any, preset: presets.Preset, prompt_len: int, only: tuple[str, ...] | None = None
+) -> tuple[list[Program], dict]:
+    """Compiles the programs of one training step of ``cfg`` on ``preset``'s slice.
+
+    Args:
+      cfg: the run's ``TrainConfig`` (its mesh resolved for the slice).
+      preset: the slice.
+      prompt_len: longest prompt in tokens; the prompt bucket is its ``bucket_length``.
+      only: name prefixes of the programs to compile (``"sample"``, ``"score"``, ``"update"``,
+        ``"eval"``); None compiles all.
+
+    Returns:
+      (programs, facts): facts hold the mesh, model shape and what the learner decided.
+    """
+    devices = topology_devices(preset)
+    platform = devices[0].platform
+    shape = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor")}
+    mesh = sharding.make_mesh(shape, devices)
+    model_cfg = model_config(cfg, platform)
+    learner = abstract_learner(cfg, mesh, model_cfg)
+    p, t = bucket_length(prompt_len), cfg.sampling.max_new_tokens
+    programs = _step_programs(learner, p, t, only)
+    rules = sharding.sampling_rules(mesh, flops.weight_bytes(model_cfg))
+    facts = dict(
+        topology=preset.name,
+        platform=platform,
+        devices=len(devices),
+        hosts=len({dev.process_index for dev in devices}),
+        mesh=dict(mesh.shape),
+        model=cfg.model.source,
+        params=memory.base_param_count(model_cfg),
+        lora_params=memory.lora_param_count(model_cfg),
+        tuning="LoRA" if model_cfg.lora else "full",
+        prompt_len=p,
+        max_new_tokens=t,
+        sample_rules=sharding.rules_name(rules),
+        updates_per_step=learner.updates_per_step,
+        old_logp=learner.old_from,
+        remat=model_cfg.remat,
+        unroll_layers=model_cfg.unroll_layers,
+    )
+    return programs, facts
+
+
+# ----------------------------------------------------------------------------------------------
+# The compiled HLO: collectives per computation, while loops and their trip counts.
+
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\(")
+_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
+_WHILE = re.compile(r"body=%?([\w.\-]+)")
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _bytes_of(type_text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(type_text):
+        count = 1
+        for x in filter(None, dims.split(",")):
+            count *= int(x)
+        total += count * _DTYPE_BYTES.get(dtype, 4)
+    return total
+
+
+def _parse(hlo: str) -> tuple[dict, str]:
+    """{computation: [(op, bytes, line)]} and the entry computation's name."""
+    comps: dict[str, list] = {}
+    entry, current = "", None
+    for line in hlo.splitlines():
+        m = _COMP.match(line)
+        if m and "=" not in line.split("(")[0]:
+            current = m.group(1)
+            comps[current] = []
+            if line.startswith("ENTRY"):
+                entry = current
+            continue
+        i = _INSTR.match(line)
+        if current is not None and i:
+            comps[current].append((i.group(2), _bytes_of(i.group(1)), line))
+    return comps, entry
+
+
+def _kind(op: str) -> str | None:
+    base = op.removesuffix("-start")
+    return base if base in COLLECTIVES else None
+
+
+def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
+    """Collectives of a compiled program: whole program (weighted by loop trip counts) and the
+    first top-level while loop's body (once, i.e. one decode step for the sampler's loop).
+
+    Returns:
+      ``{"program": {kind: {count, bytes}}, "loop_body": {...}, "loops": n}``; ``count`` and
+      ``bytes`` in ``program`` are per execution (loop bodies times their trips; a loop whose
+      count XLA does not know runs ``unknown_trips`` times).
+    """
+    comps, entry = _parse(hlo)
+    total: dict[str, dict] = {}
+    body_first: dict[str, dict] = {}
+    loops = 0
+
+    def add(into, kind, size, times):
+        slot = into.setdefault(kind, {"count": 0, "bytes": 0})
+        slot["count"] += times
+        slot["bytes"] += size * times
+
+    def walk(name, times, into_body, seen):
+        nonlocal loops
+        if name in seen or name not in comps:
+            return
+        seen = seen | {name}
+        for op, size, line in comps[name]:
+            kind = _kind(op)
+            if kind:
+                add(total, kind, size, times)
+                if into_body is not None:
+                    add(into_body, kind, size, 1)
+            if op == "while":
+                body = _WHILE.search(line).group(1)
+                trips = _TRIPS.search(line)
+                n = int(trips.group(1)) if trips else unknown_trips
+                first = into_body
+                if into_body is None and loops == 0 and name == entry:
+                    first = body_first
+                if name == entry:
+                    loops += 1
+                walk(body, times * n, first, seen)
+                continue
+            for group in _CALLS.findall(line):
+                for callee in group.replace("%", "").split(","):
+                    walk(callee.strip(), times, into_body, seen)
+
+    walk(entry, 1, None, frozenset())
+    return {"program": total, "loop_body": body_first, "loops": loops}

@@ -1,0 +1,62 @@
+"""Analytic FLOPs and weight bytes of the programs of a GRPO step (whole slice, one call).
+
+XLA's ``cost_analysis`` counts a while-loop or scan body once, so a layer scan or the decode
+loop is undercounted by its trip count; these counts are the model's arithmetic instead. A
+matmul of an [m, k] by a [k, n] matrix is ``2 m k n`` FLOPs; attention adds ``4 * N * H`` per
+(query, key) pair (scores and the weighted sum); norms, RoPE and softmax are left out.
+"""
+
+from __future__ import annotations
+
+from jaxgrpo import memory
+from jaxgrpo.models.config import ModelConfig
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights multiplied once per token by the layers (no embedding, no LM head)."""
+    d = cfg.hidden_size
+    head = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    return memory.base_param_count(cfg) - head - d
+
+
+def _forward(cfg: ModelConfig, tokens: float, context: float, logits: float) -> float:
+    """A forward pass over ``tokens`` tokens attending ``context`` keys on average, with the
+    LM head applied at ``logits`` positions."""
+    attn = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * context
+    return (
+        2.0 * matmul_params(cfg) * tokens + attn + 2.0 * cfg.vocab_size * cfg.hidden_size * logits
+    )
+
+
+def prefill(cfg: ModelConfig, prompts: int, prompt_len: int) -> float:
+    """The prompts once (causal: half the prompt on average), logits at the last position."""
+    return _forward(cfg, prompts * prompt_len, prompt_len / 2, prompts)
+
+
+def decode(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int) -> float:
+    """``new_tokens`` one-token steps of ``rows`` rows over a growing cache (upper bound:
+    every row runs to the end)."""
+    return _forward(cfg, rows * new_tokens, prompt_len + new_tokens / 2, rows * new_tokens)
+
+
+def score(cfg: ModelConfig, prompts: int, prompt_len: int, rows: int, new_tokens: int) -> float:
+    """The prefix-shared scoring pass: each prompt once, each completion after its prompt."""
+    prompt = _forward(cfg, prompts * prompt_len, prompt_len / 2, 0)
+    return prompt + _forward(cfg, rows * new_tokens, prompt_len + new_tokens / 2, rows * new_tokens)
+
+
+def update(cfg: ModelConfig, prompts: int, prompt_len: int, rows: int, new_tokens: int) -> float:
+    """One minibatch's forward and backward: the backward pass costs twice the forward with
+    full fine-tuning (activation and weight gradients), once with LoRA (activation gradients
+    only; the adapters' own matmuls are negligible), plus one more forward with remat."""
+    forward = score(cfg, prompts, prompt_len, rows, new_tokens)
+    backward = 1.0 if cfg.lora is not None else 2.0
+    return forward * (1.0 + backward + (1.0 if cfg.remat else 0.0))
+
+
+def weight_bytes(cfg: ModelConfig) -> float:
+    """Bytes of every weight in the compute dtype (what one pass reads, whole slice)."""
+    params = memory.base_param_count(cfg) + memory.lora_param_count(cfg)
+    return float(params * _BYTES[cfg.dtype])

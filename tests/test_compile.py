@@ -1,0 +1,219 @@
+"""Ahead-of-time compilation for TPU slices that are not here (``jaxgrpo.compile``).
+
+libtpu (the ``tpu`` extra) compiles for a TPU topology description on a CPU; the tests build
+the tiny config's step for a one-host v5e-8 and a four-host v5e-16 and read the reports: their
+fields, the arguments against parameter bytes worked out from the rules, the decode loop's
+collectives under each sampling layout, the per-device parameter shapes, and an oversized run's
+verdict. A ``cpu-8`` compile needs no libtpu.
+"""
+
+import importlib.util
+import math
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxgrpo import aot, presets, sharding
+from jaxgrpo import compile as compile_cli
+from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.rl.tiny import tiny_model_config
+
+needs_libtpu = pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (pip install -e '.[tpu]'): no TPU compiler to test",
+)
+# Another process may hold libtpu's lockfile; compiling for a topology needs no chip.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+FIELDS = ("arguments", "outputs", "temporaries", "generated_code", "aliased", "total")
+
+
+@pytest.fixture(scope="module")
+def v5e8():
+    return compile_cli.compile_config("tiny", "v5e-8", {})
+
+
+@pytest.fixture(scope="module")
+def v5e16():
+    over = {"rl.prompts_per_step": 4}  # 16 rows: one per device
+    return compile_cli.compile_config("tiny", "v5e-16", over, only=("sample",))
+
+
+def _program(rep, name):
+    return next(p for p in rep["programs"] if p["program"] == name)
+
+
+def _shard_bytes(shape, dtype, names, mesh_shape) -> int:
+    """Bytes of one device's shard, from the rule table by hand: each named dimension is
+    divided by the size of the mesh axes its rule names, when they divide it."""
+    split = 1
+    rules = dict(sharding.TRAIN_RULES)
+    for dim, name in zip(shape, names, strict=True):
+        axes = rules.get(name) if name else None
+        axes = () if axes is None else (axes,) if isinstance(axes, str) else axes
+        size = math.prod(mesh_shape[a] for a in axes)
+        split *= size if dim % size == 0 else 1
+    return math.prod(shape) // split * np.dtype(dtype).itemsize
+
+
+@needs_libtpu
+def test_tiny_compiles_for_one_host_v5e8(v5e8):
+    facts, step = v5e8["facts"], v5e8["step"]
+    assert (facts["platform"], facts["devices"], facts["hosts"]) == ("tpu", 8, 1)
+    names = [p["program"] for p in v5e8["programs"]]
+    assert names == [
+        "sample/prefill", "sample/decode", "score (ref/old)", "update", "eval/prefill",
+        "eval/decode",
+    ]  # fmt: skip
+    for p in v5e8["programs"]:
+        assert set(FIELDS) <= set(p["memory"]), p["program"]
+        m = p["memory"]
+        total = m["arguments"] + m["outputs"] + m["temporaries"] + m["generated_code"]
+        assert m["total"] == total - m["aliased"]
+        assert p["fits"] and p["suggestion"] is None and p["headroom_bytes"] > 0
+        assert p["compile_s"] > 0 and p["flops"] > 0 and p["estimate_s"] > 0
+    assert step["fits"] and step["hbm_per_chip"] == max(
+        p["memory"]["total"] for p in v5e8["programs"]
+    )
+    assert 0 < step["mfu_estimate"] < 1
+    assert "does NOT fit" not in compile_cli.render(v5e8)
+
+
+def _prefill_argument_bytes(facts) -> int:
+    """Prefill's arguments by hand: every parameter's shard, the prompts and the knobs."""
+    from jaxgrpo.models.config import LoRAConfig
+
+    cfg = tiny_model_config(LoRAConfig(rank=4, alpha=8.0))  # configs/tiny.py's adapters
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = 0
+    for var in jax.tree.leaves(nnx.state(model), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        value = var.get_value()
+        names = var.get_metadata("logical_axes")
+        params += _shard_bytes(value.shape, value.dtype, names, facts["mesh"])
+    b, p = 2, facts["prompt_len"]
+    n, t = b * 4, facts["max_new_tokens"]
+    prompts = 2 * b * p * 4  # ids and mask, int32, replicated (2 rows do not split over 8)
+    # temperature_NT, top_p, min_p, max_len_N, pad_id; not repetition_count: the tiny config
+    # has no repetition guard, so the program never reads it and jit drops the argument.
+    knobs = n * t * 4 + 4 + 4 + n * 4 + 4
+    return params + prompts + knobs + 2 * 4  # and the uint32 [2] key
+
+
+@needs_libtpu
+def test_prefill_arguments_are_the_sharded_parameters_on_tpu(v5e8):
+    """On TPU each array is stored in (8, 128)-element tiles (a scalar takes 512 bytes), so
+    the tiny model's many small arrays take more than their elements; never less."""
+    args = _program(v5e8, "sample/prefill")["memory"]["arguments"]
+    hand = _prefill_argument_bytes(v5e8["facts"])
+    assert hand <= args <= 4 * hand, (args, hand)
+
+
+@needs_libtpu
+def test_decode_step_has_no_collective_on_the_replicated_layout(v5e8, v5e16):
+    for rep in (v5e8, v5e16):
+        assert rep["facts"]["sample_rules"] == "sample"
+        decode = _program(rep, "sample/decode")
+        assert decode["loop_body_collectives"] == {}, decode["loop_body_collectives"]
+        assert decode["while_loops"] >= 1
+
+
+@needs_libtpu
+def test_decode_step_on_training_weights_gathers_every_token(monkeypatch):
+    """The same loop with the weights left fsdp-sharded: collectives at every token."""
+    monkeypatch.setattr(sharding, "sampling_rules", lambda mesh, nbytes: sharding.TRAIN_RULES)
+    rep = compile_cli.compile_config("tiny", "v5e-8", {"rl.group_size": 8}, only=("sample",))
+    body = _program(rep, "sample/decode")["loop_body_collectives"]
+    assert body.get("all-gather", {}).get("count", 0) > 0, body
+
+
+@needs_libtpu
+def test_tensor_parallel_decode_step_only_reduces():
+    """With tensor=2 the decode matrices split their input over tensor: the loop body's
+    collectives are all-reduces (at least one per projection: 4 per layer), no weight is
+    gathered, and the rest of the step's traffic is the vocabulary-sharded sampling."""
+    over = {"mesh.tensor": 2}
+    rep = compile_cli.compile_config("tiny", "v5e-8", over, only=("sample",))
+    body = _program(rep, "sample/decode")["loop_body_collectives"]
+    assert body.get("all-reduce", {}).get("count", 0) >= 4 * 2, body
+    weights = tiny_model_config().hidden_size * tiny_model_config().intermediate_size
+    gathered = body.get("all-gather", {}).get("bytes", 0)
+    assert gathered < weights, body  # activations or logits at most, never a weight matrix
+
+
+@needs_libtpu
+def test_multi_host_parameter_shards_follow_the_rules(v5e16):
+    """v5e-16 is four hosts; the abstract learner's parameters split embed over fsdp=16."""
+    assert (v5e16["facts"]["hosts"], v5e16["facts"]["mesh"]["fsdp"]) == (4, 16)
+    preset = presets.get_preset("v5e-16")
+    devices = aot.topology_devices(preset)
+    mesh = sharding.make_mesh(preset.mesh, devices)
+    from jaxgrpo import config as config_lib
+
+    cfg = config_lib.load_config("tiny", {"mesh.fsdp": 16, "rl.prompts_per_step": 4})
+    learner = aot.abstract_learner(cfg, mesh, aot.model_config(cfg, "tpu"))
+    frozen = learner.frozen
+    embed = frozen["embed"].get_value()
+    assert embed.sharding.shard_shape(embed.shape) == (384, 64 // 16)
+    q = frozen["layers"]["attn"]["q"]["kernel"].get_value()
+    assert q.sharding.shard_shape(q.shape) == (2, 64 // 16, 4, 16)
+    lora_b = learner._params0["layers"]["attn"]["q"]["lora"]["lora_b"].get_value()
+    assert lora_b.sharding.shard_shape(lora_b.shape) == lora_b.shape  # [L, R, N, H]: no embed
+
+
+@needs_libtpu
+def test_oversized_run_does_not_fit_and_names_a_knob():
+    """A KV cache far beyond one v5e chip's 16 GiB: 8192 rows of 256 + 4096 slots."""
+    over = {"rl.prompts_per_step": 512, "rl.group_size": 16, "sampling.max_new_tokens": 4096}
+    rep = compile_cli.compile_config("tiny", "v5e-1", over, only=("sample",))
+    decode = _program(rep, "sample/decode")
+    assert not decode["fits"] and decode["headroom_bytes"] < 0
+    assert "mesh.tensor" in decode["suggestion"] or "prompts_per_step" in decode["suggestion"]
+    assert not rep["step"]["fits"]
+    assert "does NOT fit" in compile_cli.render(rep)
+
+
+def test_cpu_devices_compile_without_libtpu():
+    """cpu-8: the test process's 8 virtual CPU devices (conftest), no libtpu involved."""
+    rep = compile_cli.compile_config("tiny", "cpu-8", {}, only=("sample", "update"))
+    assert rep["facts"]["platform"] == "cpu" and rep["facts"]["devices"] == 8
+    assert [p["program"] for p in rep["programs"]] == ["sample/prefill", "sample/decode", "update"]
+    assert _program(rep, "sample/decode")["loop_body_collectives"] == {}
+    args = _program(rep, "sample/prefill")["memory"]["arguments"]
+    assert args == _prefill_argument_bytes(rep["facts"])  # XLA:CPU stores arrays untiled
+
+
+def test_collectives_are_counted_per_loop_body_and_weighted_by_trips():
+    hlo = """HloModule m
+
+%body (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={}, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[16] {
+  %ag = f32[16]{0} all-gather(f32[8]{0} %a), dimensions={0}
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, \
+backend_config={"known_trip_count":{"n":"5"}}
+  ROOT %r = f32[16]{0} copy(%ag)
+}
+"""
+    out = aot.collectives(hlo)
+    assert out["loop_body"] == {"all-reduce": {"count": 1, "bytes": 32}}
+    assert out["program"]["all-reduce"] == {"count": 5, "bytes": 160}
+    assert out["program"]["all-gather"] == {"count": 1, "bytes": 64}
+    assert out["loops"] == 1
+
+
+def test_every_table_slice_is_a_topology():
+    for name in compile_cli.TABLE_SLICES + ("v5e-1", "v4-8", "v5p-8", "v6e-256"):
+        p = presets.get_preset(name)
+        assert p.topology and math.prod(p.mesh.values()) == p.devices
+        assert p.specs.bf16_flops > 0 and p.specs.hbm_bw > 0 and p.specs.ici_bw > 0
+    for name in compile_cli.TABLE_MODELS:
+        assert name in presets.ARCHITECTURES
