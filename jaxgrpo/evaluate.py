@@ -154,8 +154,11 @@ def load_policy(
     return model, tokenizer, restore_params(cfg, model, tokenizer, checkpoint, mesh)
 
 
-def restore_params(cfg: Any, model: Any, tokenizer: Any, run_dir: str, mesh: Any) -> int:
-    """Loads the latest checkpoint's trainable parameters into ``model``; returns its step.
+def restore_params(
+    cfg: Any, model: Any, tokenizer: Any, run_dir: str, mesh: Any, step: int | None = None
+) -> int:
+    """Loads checkpoint ``step``'s (default: the latest) trainable parameters into ``model``;
+    returns its step.
 
     The restore target is the learner's own fresh state, so the tree and shardings match what
     training saved; only ``state.params`` is kept.
@@ -169,7 +172,7 @@ def restore_params(cfg: Any, model: Any, tokenizer: Any, run_dir: str, mesh: Any
 
     ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=0, keep=1)
     try:
-        step = ckpt.latest_step()
+        step = ckpt.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {run_dir}/checkpoints")
         # Rewards are not used to build a state; a cheap one avoids loading reward models.
@@ -230,13 +233,9 @@ def evaluate_examples(model, tokenizer, examples, settings, mesh, judge_fn=None)
 
 def eval_settings(cfg: Any, args: argparse.Namespace) -> Settings:
     """The ``Settings`` of a command line: the config's ``eval`` section (flags already applied
-    to it as overrides) plus the split, the example cap and the sampling seed."""
-    return Settings(
-        split=args.split,
-        max_examples=args.max_examples,
-        seed=args.seed,
-        **dataclasses.asdict(cfg.eval),
-    )
+    to it as overrides; ``every`` is the trainer's) plus the split, example cap and seed."""
+    fields = {k: v for k, v in dataclasses.asdict(cfg.eval).items() if k != "every"}
+    return Settings(split=args.split, max_examples=args.max_examples, seed=args.seed, **fields)
 
 
 def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:

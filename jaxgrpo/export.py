@@ -25,18 +25,19 @@ from typing import Any
 
 import jax
 from etils import epath
-from flax import nnx
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import sharding
 from jaxgrpo.checkpoint import Checkpointer
 from jaxgrpo.config import ConfigError
-from jaxgrpo.evaluate import load_policy, run_config
+from jaxgrpo.evaluate import load_policy, restore_params, run_config
 from jaxgrpo.models.export import export_hf, export_peft
-from jaxgrpo.rewards import RewardSet
-from jaxgrpo.rl.learner import Learner
-from jaxgrpo.runtime import keep_freed_memory, use_cpu_xla_flags
-from jaxgrpo.train import build_task
+from jaxgrpo.runtime import (
+    enable_compilation_cache,
+    keep_freed_memory,
+    quiet_libraries,
+    use_cpu_xla_flags,
+)
 
 # Model sources that are not Hugging Face checkpoints (jaxgrpo.train.build_model's aliases).
 _NON_HF_SOURCES = ("tiny", "smollm2")
@@ -62,19 +63,6 @@ def checkpoint_step(ckpt: Checkpointer, run_dir: str, step: int | None) -> int:
         listed = ", ".join(str(s) for s in [0, *sorted(steps)])
         raise ExportError(f"no checkpoint for step {step} in {run_dir}; available: {listed}")
     return step
-
-
-def restore_step(cfg: Any, model: Any, tokenizer: Any, ckpt: Checkpointer, step: int, mesh):
-    """Loads checkpoint ``step``'s trainable parameters into ``model``.
-
-    ``jaxgrpo.evaluate.restore_params`` with a step argument: the restore target is the
-    learner's fresh state, so tree and shardings match what training saved.
-    """
-    # Rewards are not used to build a state; a cheap one avoids loading reward models.
-    rewards = RewardSet([("exact_answer", 1.0)])
-    learner = Learner(cfg, model, tokenizer, build_task(cfg.task), rewards, mesh)
-    state, _ = ckpt.restore(learner.init_state(), step)
-    nnx.update(model, state.params)
 
 
 def hf_base(source: str) -> str | None:
@@ -118,10 +106,10 @@ def trained_model(cfg: Any, run_dir: str, step: int | None) -> tuple[Any, Any, i
     ckpt = Checkpointer(ckpt_dir, every=0, keep=cfg.checkpoint.keep)
     try:
         step = checkpoint_step(ckpt, run_dir, step)
-        model, tokenizer, _ = load_policy(cfg, None, mesh)
-        restore_step(cfg, model, tokenizer, ckpt, step, mesh)
     finally:
         ckpt.close()
+    model, tokenizer, _ = load_policy(cfg, None, mesh)
+    restore_params(cfg, model, tokenizer, run_dir, mesh, step)
     return model, tokenizer, step
 
 
@@ -199,6 +187,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: export, then print the output path and how to load it."""
     use_cpu_xla_flags()
     keep_freed_memory()
+    quiet_libraries()
+    enable_compilation_cache()
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     run_dir = args.run_dir.rstrip("/") or args.run_dir
     try:

@@ -382,8 +382,10 @@ def build_parts(cfg: TrainConfig) -> dict[str, Any]:
     )
     shape = config_lib.resolve_mesh_shape(cfg, jax.device_count())
     mesh = sharding.make_mesh(shape)
-    model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
+    # The data first: a missing file, row or package is reported in seconds, not after a load.
     task = build_task(cfg.task)
+    task.eval_examples()
+    model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
     specs = bind_model_rewards(cfg.rewards.functions, model, tokenizer)
     rewards = RewardSet(specs, on_error=cfg.rewards.reward_on_error)
     learner = Learner(cfg, model, tokenizer, task, rewards, mesh)
