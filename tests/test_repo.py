@@ -21,14 +21,19 @@ def test_ruff_lint_clean():
     assert proc.returncode == 0, "ruff found lint errors; fix them:\n" + proc.stdout + proc.stderr
 
 
-def test_quickstart_has_exactly_two_commands_and_ci_runs_the_test_one():
+def test_quickstart_has_exactly_two_commands_and_ci_runs_both():
     commands = _quickstart_commands()
     assert len(commands) == 2, f"Quickstart must hold exactly two commands, found {commands}"
     train_cmd, test_cmd = commands
-    assert "python -m jaxgrpo.train --config" in train_cmd
+    assert train_cmd.startswith("pip install . ") and "python -m jaxgrpo.train --config" in train_cmd
     assert "pytest" in test_cmd and test_cmd.startswith("pip install -e")
+    assert "tpu" in test_cmd, "the tests compile for TPU topologies: the tpu extra brings libtpu"
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
-    # .ci/run takes the first README line that starts with "pip install -e": the test command.
+    # .ci/run takes the first README line of each kind: the commands above, and nothing else.
+    lines = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().splitlines()
+    assert next(x for x in lines if x.startswith("pip install . ")) == train_cmd
+    assert next(x for x in lines if x.startswith("pip install -e")) == test_cmd
+    assert "grep -m1 '^pip install \\. ' README.md" in ci
     assert "grep -m1 '^pip install -e' README.md" in ci
 
 

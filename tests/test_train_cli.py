@@ -210,7 +210,7 @@ def test_cli_reports_the_run_and_a_rerun_compiles_nothing(tmp_path):
     assert first.returncode == 0, first.stderr[-2000:]
     out = first.stdout
     for text in (
-        "model    tiny: ",
+        "model    tiny (random 2-layer test model): ",
         "LoRA rank 4",
         "task     format_copy: ",
         f"devices  {jax.device_count()} x cpu, mesh data={jax.device_count()} fsdp=1 tensor=1",
