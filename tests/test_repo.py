@@ -25,7 +25,8 @@ def test_quickstart_has_exactly_two_commands_and_ci_runs_both():
     commands = _quickstart_commands()
     assert len(commands) == 2, f"Quickstart must hold exactly two commands, found {commands}"
     train_cmd, test_cmd = commands
-    assert train_cmd.startswith("pip install . ") and "python -m jaxgrpo.train --config" in train_cmd
+    assert train_cmd.startswith("pip install . ")
+    assert "python -m jaxgrpo.train --config format_copy.py" in train_cmd
     assert "pytest" in test_cmd and test_cmd.startswith("pip install -e")
     assert "tpu" in test_cmd, "the tests compile for TPU topologies: the tpu extra brings libtpu"
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read()
