@@ -24,7 +24,8 @@ term ``beta * k(ref_logp - logp)`` (``kl.py``) and the entropy bonus ``-entropy_
 are per-token values aggregated the same way as the surrogate.
 
 Presets (``loss_type``): ``grpo`` = clip + seq_mean_token_mean (DeepSeekMath); ``dapo`` =
-clip + token_mean; ``dr_grpo`` = clip + constant (Dr. GRPO); ``gr_reinforce`` = reinforce +
+clip + token_mean; ``dr_grpo`` = clip + constant and advantages without std scaling (Dr.
+GRPO; ``LossSpec.adv_scale``); ``gr_reinforce`` = reinforce +
 seq_mean_token_mean; ``gspo`` = clip at sequence level + seq_mean_token_mean.
 
 Global normaliser: ``num_tokens`` and ``num_sequences`` default to the counts of the arrays
@@ -66,17 +67,20 @@ class LossSpec:
       surrogate: ``"clip"`` or ``"reinforce"``.
       aggregation: ``"seq_mean_token_mean"``, ``"token_mean"`` or ``"constant"``.
       ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
+      adv_scale: the advantage scaling the method is defined with (``rl.adv_scale="auto"``
+        takes it): Dr. GRPO removes the std scaling along with the length normalisation.
     """
 
     surrogate: str
     aggregation: str
     ratio_level: str = "token"
+    adv_scale: str = "group"
 
 
 LOSS_PRESETS: dict[str, LossSpec] = {
     "grpo": LossSpec("clip", "seq_mean_token_mean"),
     "dapo": LossSpec("clip", "token_mean"),
-    "dr_grpo": LossSpec("clip", "constant"),
+    "dr_grpo": LossSpec("clip", "constant", adv_scale="none"),
     "gr_reinforce": LossSpec("reinforce", "seq_mean_token_mean"),
     "gspo": LossSpec("clip", "seq_mean_token_mean", "sequence"),
 }
@@ -91,6 +95,7 @@ def resolve_spec(loss_type, surrogate=None, aggregation=None, ratio_level=None) 
         surrogate or base.surrogate,
         aggregation or base.aggregation,
         ratio_level or base.ratio_level,
+        base.adv_scale,
     )
     for value, allowed, name in (
         (spec.surrogate, SURROGATES, "surrogate"),
@@ -279,6 +284,7 @@ def policy_loss(
     eps_high=0.2,
     beta=0.0,
     kl_estimator: str = "k3",
+    kl_bias_correction: bool = False,
     max_completion_length=None,
     surrogate: str | None = None,
     aggregation: str | None = None,
@@ -312,6 +318,10 @@ def policy_loss(
       eps_high: upper clip range, ``r <= 1 + eps_high`` where ``A > 0``.
       beta: weight of the per-token KL term.
       kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` with ``d = ref_logp - logp`` (see ``kl``).
+      kl_bias_correction: multiply the per-token KL by the importance ratio ``r`` (with its
+        gradient; token or sequence level as the ratio): TRL's ``use_bias_correction_kl``,
+        the unbiased reverse-KL gradient of DeepSeek-V3.2. It changes the gradient even
+        on-policy, where ``r = 1`` but ``grad r = grad logp``.
       max_completion_length: the ``"constant"`` normaliser's length; defaults to ``T``.
       surrogate: overrides the preset's surrogate (``"clip"``/``"reinforce"``).
       aggregation: overrides the preset's aggregation.
@@ -374,6 +384,8 @@ def policy_loss(
     if ref_logp is not None:
         warn_if_k1_in_loss(kl_estimator, beta)
         kl_NT = kl_estimate(logp_NT, clean(ref_logp), kl_estimator)
+        if kl_bias_correction:
+            kl_NT = kl_NT * jnp.exp(_log_ratio_NT(logp_NT, old_NT, valid_NT, spec.ratio_level))
         metrics["kl_loss"] = beta * agg(kl_NT)
         metrics["kl_mean"] = _masked_mean(jax.lax.stop_gradient(kl_NT), valid_NT)
     metrics["entropy_loss"] = jnp.zeros((), dtype)

@@ -35,8 +35,13 @@ class ObjectiveSpec:
         group_size: G.
         loss_type: `policy_loss` preset.
         eps_low / eps_high: clip ranges.
+        ratio_cap: cap on the unclipped ratio (TRL's delta); None = off.
+        dual_clip: dual-clip constant c > 1; None = off.
+        top_entropy_frac: policy gradient on this fraction of highest-entropy tokens of each
+            micro-batch; None = all tokens.
         beta: KL coefficient in the loss (0 when the KL goes into the reward).
         kl_estimator: "k1", "k2" or "k3".
+        kl_bias_correction: KL times the importance ratio (TRL's use_bias_correction_kl).
         entropy_coef: entropy bonus weight.
         tis_cap: truncated importance-sampling cap; 0 = off.
         use_old_logp: take behaviour log-probs from the batch (several updates per rollout).
@@ -58,6 +63,10 @@ class ObjectiveSpec:
     use_ref_logp: bool
     chunk_size: int = 64
     max_completion_length: int | None = None
+    ratio_cap: float | None = None
+    dual_clip: float | None = None
+    top_entropy_frac: float | None = None
+    kl_bias_correction: bool = False
 
 
 def group_rows(idx_M: Array, group_size: int) -> Array:
@@ -124,6 +133,10 @@ def make_loss_fn(
             eps_high=spec.eps_high,
             beta=spec.beta,
             kl_estimator=spec.kl_estimator,
+            kl_bias_correction=spec.kl_bias_correction,
+            ratio_cap=spec.ratio_cap,
+            dual_clip=spec.dual_clip,
+            top_entropy_frac=spec.top_entropy_frac,
             max_completion_length=spec.max_completion_length or batch.tokens.shape[1],
             entropy_coef=spec.entropy_coef,
             entropy=entropy,

@@ -81,7 +81,7 @@ def piecewise(boundaries: Sequence[int], values: Sequence[float]) -> Schedule:
     return f
 
 
-_KINDS = {
+SCHEDULES = {
     "constant": constant,
     "linear": linear,
     "cosine": cosine,
@@ -96,9 +96,27 @@ def make_schedule(kind: str, **kwargs) -> Schedule:
     Raises:
       ValueError: unknown ``kind``, listing the known ones.
     """
-    if kind not in _KINDS:
-        raise ValueError(f"unknown temperature schedule {kind!r}; known: {sorted(_KINDS)}")
-    return _KINDS[kind](**kwargs)
+    if kind not in SCHEDULES:
+        raise ValueError(f"unknown temperature schedule {kind!r}; known: {sorted(SCHEDULES)}")
+    return SCHEDULES[kind](**kwargs)
+
+
+def build(
+    kind: str,
+    *,
+    init: float,
+    end: float,
+    steps: int,
+    boundaries: Sequence[int] = (),
+    values: Sequence[float] = (),
+) -> Schedule:
+    """The schedule a config describes: ``init`` -> ``end`` over ``steps`` for the smooth kinds,
+    ``values`` between ``boundaries`` for ``piecewise``, ``init`` for ``constant``."""
+    if kind == "constant":
+        return constant(init)
+    if kind == "piecewise":
+        return piecewise(boundaries, values)
+    return make_schedule(kind, init=init, end=end, steps=steps)
 
 
 def temperatures(

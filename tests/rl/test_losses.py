@@ -306,3 +306,45 @@ def test_unknown_names_raise_with_the_name():
         with pytest.raises(ValueError, match=name):
             policy_loss(*args, **kw)
     assert set(LOSS_PRESETS) >= {"grpo", "dapo", "dr_grpo", "gr_reinforce"}
+
+
+@pytest.mark.parametrize("ratio_level", ["token", "sequence"])
+def test_kl_bias_correction_gradient_equals_the_hand_derived_one(ratio_level):
+    """TRL's ``use_bias_correction_kl``: the per-token k3 KL times the ratio r = exp(logp - old).
+
+    On-policy (old = stop_gradient(logp)) r = 1, so the loss value is unchanged, but grad r =
+    grad logp: with d = ref - logp, k3 = e^d - d - 1 and dk3/dlogp = 1 - e^d, the token-mean
+    loss beta * sum(r * k3) / n has the gradient beta * (1 - e^d + k3) / n at every valid token
+    (token-level ratio); the uncorrected one is beta * (1 - e^d) / n. For the sequence-level
+    ratio, d r / d logp_t = 1 / n_i on every token t of sequence i, so token t gets
+    beta / n * (1 - e^d_t + sum_s k3_is / n_i).
+    """
+    rng = np.random.default_rng(0)
+    logp = rng.normal(-1.0, 0.5, (3, 5))
+    ref = logp + rng.normal(0.0, 0.3, (3, 5))
+    mask = np.ones((3, 5), bool)
+    mask[1, 3:] = mask[2, 4:] = False
+    beta, n = 0.1, mask.sum()
+
+    def loss(lp, correct):
+        return policy_loss(
+            lp, None, ref, jnp.zeros(3), mask, loss_type="dapo", beta=beta, kl_estimator="k3",
+            kl_bias_correction=correct, ratio_level=ratio_level,
+        )[0]  # fmt: skip
+
+    d = ref - logp
+    k3 = np.exp(d) - d - 1
+    if ratio_level == "token":
+        correction = k3
+    else:
+        correction = np.broadcast_to(
+            (k3 * mask).sum(1, keepdims=True) / mask.sum(1, keepdims=True), k3.shape
+        )
+    expected = np.where(mask, beta * (1 - np.exp(d) + correction) / n, 0.0)
+    plain = np.where(mask, beta * (1 - np.exp(d)) / n, 0.0)
+    with jax.enable_x64(True):
+        lp = jnp.asarray(logp, jnp.float64)
+        got = np.asarray(jax.grad(loss)(lp, True))
+        np.testing.assert_allclose(got, expected, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(jax.grad(loss)(lp, False)), plain, rtol=1e-9)
+        assert float(loss(lp, True)) == pytest.approx(float(loss(lp, False)), rel=1e-12)
