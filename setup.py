@@ -23,6 +23,7 @@ INSTALL_REQUIRES = [
     "pronouncing==0.3.0",
     "matplotlib==3.11.2",
     "jaxtyping==0.3.11",
+    "math-verify==0.9.0",  # MATH-style answer checks (math, jeebench), as TRL's accuracy_reward
 ]
 
 EXTRAS = {

@@ -6,15 +6,11 @@ Everything here is a function of strings and numbers (no model, no JAX), so the 
 Definitions (one prompt has ``n`` sampled completions; figures average over all samples unless
 they say otherwise):
 
-* strict: the seed study's hard reward, ``jaxgrpo.rewards.math.exact_answer``: the content of
-  the last ``<answer>`` tag equals the reference answer.
-* lenient: strict, or the final number anywhere in the completion equals the reference. This is
-  what the seed study's LLM-as-judge recovered from badly formatted answers ("... so she has 25
-  apples." with no tags). Non-numeric references (JEE letters, LaTeX) are matched on the answer
-  tag or the last ``\\boxed{}``.
-* format: exactly one well-formed, non-empty ``<answer>`` pair (``rewards.format.single_answer``).
+* strict / lenient / format: ``jaxgrpo.rl.accuracy`` (the one definition, shared with the
+  training metrics), reported as ``strict_accuracy``, ``lenient_accuracy`` and ``format_rate``.
 * pass@k: the unbiased estimator of Chen et al. (2021), ``1 - C(n-c, k) / C(n, k)`` for ``c``
-  strictly correct samples out of ``n``, averaged over prompts; mean@n is ``c / n`` averaged.
+  strictly correct samples out of ``n``, averaged over prompts; mean@n is ``c / n`` averaged
+  (so pass@1 = mean@n = strict_accuracy); ``lenient_pass@n`` counts lenient correctness.
 * doom loop: the completion hit the length limit and its tail is one short block of tokens
   (or words) repeated many times, the ``</answer> </answer> ...`` failure of the seed study.
 """
@@ -26,57 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxgrpo.rewards.format import single_answer
-from jaxgrpo.rewards.math import (
-    answers_match,
-    exact_answer,
-    extract_answer,
-    last_boxed,
-    parse_number,
-    reference_answer,
-)
+from jaxgrpo.rewards.math import extract_answer
+from jaxgrpo.rl.accuracy import FORMAT, LENIENT, STRICT, is_formatted, is_lenient, is_strict
 
 # A tail of >= _LOOP_REPEATS copies of one block of <= _LOOP_MAX_N tokens is a doom loop.
 _LOOP_MAX_N = 8
 _LOOP_REPEATS = 4
-
-
-def final_number(text: str) -> str | None:
-    """The last whitespace-separated token of ``text`` that states a single number, or None.
-
-    Tags are removed first, so ``<answer>25</answer>`` and ``... is 25.`` both give ``25``.
-    Parsing is ``jaxgrpo.rewards.math.parse_number`` (commas, currency, units, fractions).
-    """
-    text = text.replace("<answer>", " ").replace("</answer>", " ")
-    for token in reversed(text.split()):
-        if parse_number(token) is not None:
-            return token
-    return None
-
-
-def is_strict(completion: str, reference: Any) -> bool:
-    """The ``exact_answer`` reward is 1: the last ``<answer>`` tag holds the reference."""
-    (score,) = exact_answer([""], [completion], answer=[reference])
-    return score is not None and score >= 1.0
-
-
-def is_lenient(completion: str, reference: Any) -> bool:
-    """Strict, or the final number (or, for non-numeric references, the last ``\\boxed{}``)
-    in the completion matches the reference."""
-    if is_strict(completion, reference):
-        return True
-    if reference is None or not str(reference).strip():
-        return False
-    ref = reference_answer(str(reference))
-    if parse_number(ref) is not None:
-        return answers_match(final_number(completion), ref)
-    return answers_match(last_boxed(completion), ref)
-
-
-def is_formatted(completion: str) -> bool:
-    """Exactly one well-formed ``<answer>`` pair with non-empty content."""
-    content = single_answer(completion)
-    return content is not None and bool(content.strip())
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -149,6 +100,7 @@ def score_samples(
     lengths: Sequence[int] | None = None,
     truncated: Sequence[bool] | None = None,
     tokens: Sequence[Sequence[int]] | None = None,
+    verifiers: Sequence[str | None] | None = None,
 ) -> list[dict[str, Any]]:
     """One JSON-ready record per completion.
 
@@ -159,6 +111,7 @@ def score_samples(
       lengths: [B * G] completion lengths in tokens (default: words).
       truncated: [B * G] hit the length limit (default: all False).
       tokens: [B * G] token ids for the loop check (default: words).
+      verifiers: [B] the examples' ``verifier`` column (default: the fast path for all).
 
     Returns:
       Dicts with prompt, sample, completion, reference, length, truncated, strict, lenient,
@@ -171,6 +124,8 @@ def score_samples(
     records = []
     for i, text in enumerate(completions):
         ref = references[i // num_samples]
+        verifier = verifiers[i // num_samples] if verifiers is not None else None
+        strict = is_strict(text, ref, verifier)
         seq = tokens[i] if tokens is not None else text.split()
         cut = bool(truncated[i]) if truncated is not None else False
         loop = tail_repeat(seq)
@@ -183,8 +138,8 @@ def score_samples(
                 "answer": extract_answer(text),
                 "length": int(lengths[i]) if lengths is not None else len(text.split()),
                 "truncated": cut,
-                "strict": is_strict(text, ref),
-                "lenient": is_lenient(text, ref),
+                "strict": strict,
+                "lenient": is_lenient(text, ref, verifier, strict),
                 "formatted": is_formatted(text),
                 "repeat": loop,
                 "doom_loop": loop and cut,
@@ -197,7 +152,8 @@ def summarize(records: Sequence[dict[str, Any]], num_samples: int) -> dict[str, 
     """Every figure of one evaluation from its per-sample records.
 
     Returns:
-      strict / lenient / format / judge (if judged) rates, ``pass@k`` (strict) for every k <= G,
+      ``strict_accuracy`` / ``lenient_accuracy`` / ``format_rate`` / judge (if judged) rates,
+      ``pass@k`` (strict) for every k <= G,
       ``lenient_pass@G``, ``mean@G``, truncation / repeat / doom-loop rates, and
       ``length`` / ``length_correct`` / ``length_incorrect`` stats.
     """
@@ -208,9 +164,9 @@ def summarize(records: Sequence[dict[str, Any]], num_samples: int) -> dict[str, 
     out: dict[str, Any] = {
         "num_prompts": len(records) // g,
         "num_samples": g,
-        "strict": float(strict.mean()),
-        "lenient": float(lenient.mean()),
-        "format": float(col("formatted").mean()),
+        STRICT: float(strict.mean()),
+        LENIENT: float(lenient.mean()),
+        FORMAT: float(col("formatted").mean()),
         "truncated": float(col("truncated").mean()),
         "repeat": float(col("repeat").mean()),
         "doom_loop": float(col("doom_loop").mean()),
@@ -245,12 +201,12 @@ def default_columns(runs: dict[str, dict[str, dict[str, Any]]]) -> list[tuple[st
         label = {"gsm8k": "GSM8K", "jeebench": "JEE"}.get(task, task)
         if i == 0:
             g = next(r[task]["num_samples"] for r in runs.values() if task in r)
-            columns += [(task, "strict", f"{label} strict"), (task, "lenient", f"{label} lenient")]
+            columns += [(task, STRICT, f"{label} strict"), (task, LENIENT, f"{label} lenient")]
             columns.append((task, f"pass@{g}", f"{label} pass@{g}"))
             if any("judge" in r.get(task, {}) for r in runs.values()):
                 columns.append((task, "judge", f"{label} judge"))
         else:
-            columns.append((task, "strict", label))
+            columns.append((task, STRICT, label))
     return columns
 
 

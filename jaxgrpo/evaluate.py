@@ -8,9 +8,11 @@
 Each run (a ``--checkpoint`` run directory, or the untrained model with ``--base`` or when no
 checkpoint is given) samples ``num_samples`` completions per held-out prompt with the seed
 study's settings (512 new tokens, temperature 0.6, top-p 0.95, its prompt from the task) and
-is scored by ``jaxgrpo.eval_metrics``: strict and lenient accuracy, format rate, pass@k for every
-k <= n, mean@n, lengths split by correctness, truncation and doom-loop rates. An optional judge
-(any ``load_model`` source) answers yes/no, greedily, whether a completion reaches the reference.
+is scored by ``jaxgrpo.eval_metrics``: ``strict_accuracy``, ``lenient_accuracy`` and
+``format_rate`` (``jaxgrpo.rl.accuracy``'s definitions, the names the training logs use), pass@k
+(strict) for every k <= n, mean@n, lengths split by correctness, truncation and doom-loop rates.
+An optional judge (any ``load_model`` source) answers yes/no, greedily, whether a completion
+reaches the reference.
 
 The sampling settings and the judge come from the config's ``eval`` section (``num_samples``,
 ``max_new_tokens``, ``temperature``, ``top_p``, ``batch_size``, ``judge_source``,
@@ -224,6 +226,7 @@ def evaluate_examples(model, tokenizer, examples, settings, mesh, judge_fn=None)
         lengths=out["lengths"],
         truncated=out["truncated"],
         tokens=out["tokens"],
+        verifiers=[ex.get("verifier") for ex in examples],
     )
     if judge_fn is not None:
         for record, verdict in zip(records, judge_fn(examples, out["texts"]), strict=True):

@@ -26,7 +26,7 @@ import numpy as np
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
 KL_MEAN = "kl/mean"
-ACCURACY = "accuracy"
+ACCURACY = "strict_accuracy"
 TRUNCATED_FRAC = "completion/truncated_frac"
 TIME_KEYS = ("time/sampling", "time/rewards", "time/update")
 
@@ -277,7 +277,7 @@ class ProgressBar:
 # What a run prints: its header, held-out evaluations and closing summary.
 
 STRICT = "strict_accuracy"
-LENIENT = "accuracy"
+LENIENT = "lenient_accuracy"
 
 
 def human_count(n: float) -> str:

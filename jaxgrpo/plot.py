@@ -9,7 +9,8 @@ Two kinds of picture, runs overlaid so they compare at a glance:
   looks the same for every run.
 - one PNG per quantity (``PANELS``), larger; quantities no run logged are skipped.
 
-Metric keys are the learner's (``jaxgrpo.rl.step_metrics``); held-out figures are the
+Metric keys are the learner's (``jaxgrpo.rl.step_metrics``); accuracy is ``strict_accuracy``,
+``lenient_accuracy`` and ``format_rate`` (``jaxgrpo.rl.accuracy``); held-out figures are the
 ``eval/`` keys the trainer logs before, during and after training.
 """
 
@@ -24,10 +25,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxgrpo.rl.accuracy import FORMAT, LENIENT, STRICT
+
 # Figure name -> candidate metric keys, first match wins; dashed lines for the "eval/" twin.
 PANELS: dict[str, tuple[str, ...]] = {
     "reward": ("reward/mean", "reward"),
-    "accuracy": ("accuracy", "reward/accuracy", "eval/accuracy"),
+    "accuracy": (STRICT, f"eval/{STRICT}"),
     "kl": ("kl/mean", "kl_mean", "kl"),
     "entropy": ("entropy/mean", "entropy_mean", "entropy"),
     "length": ("completion/length_mean", "completion_length", "length"),
@@ -52,10 +55,15 @@ class Curve:
 # Dashboard panel title -> its curves; "reward per function" is filled from the logged keys.
 DASHBOARD: dict[str, tuple[Curve, ...]] = {
     "reward per function": (),
-    "train accuracy": (Curve(("accuracy",)),),
+    "train accuracy": (
+        Curve((STRICT,), "strict", "-"),
+        Curve((LENIENT,), "lenient", ":"),
+        Curve((FORMAT,), "format", "--"),
+    ),
     "held-out accuracy": (
-        Curve(("eval/strict_accuracy",), "strict", "o-"),
-        Curve(("eval/accuracy",), "lenient", "s:"),
+        Curve((f"eval/{STRICT}",), "strict", "o-"),
+        Curve((f"eval/{LENIENT}",), "lenient", "s:"),
+        Curve((f"eval/{FORMAT}",), "format", "^--"),
     ),
     "KL to reference": (Curve(("kl/mean",)),),
     "entropy": (Curve(("entropy",)),),

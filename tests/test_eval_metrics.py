@@ -1,4 +1,6 @@
-"""Evaluation figures on hand-made completions: pass@k vs enumeration, strict vs lenient, table."""
+"""Evaluation figures on hand-made completions: pass@k vs enumeration, summaries, the table.
+
+The per-completion strict/lenient/format definitions are tested in tests/rl/test_accuracy.py."""
 
 import itertools
 
@@ -52,38 +54,6 @@ def test_pass_at_all_k_averages_prompts():
     assert out[4] == pytest.approx(2 / 3)
 
 
-CASES = [
-    # (completion, reference, strict, lenient, formatted)
-    ("<answer>25</answer>", "#### 25", True, True, True),
-    ("84 - 59 = 25 rolls. <answer>25</answer>", "25", True, True, True),
-    ("So 84 - 59 leaves 25 rolls.", "25", False, True, False),
-    ("There are $1,234 left in total.", "1234", False, True, False),
-    ("<answer>24</answer> wait, actually it is 25", "25", False, True, True),
-    ("<answer>25</answer> or maybe 24", "25", True, True, True),
-    ("The answer is 25 or 24", "25", False, False, False),
-    ("<answer>3 or 4</answer>", "3", False, False, True),
-    ("<answer></answer>", "3", False, False, False),
-    ("</answer> </answer> </answer>", "3", False, False, False),
-    ("<answer>B</answer>", "B", True, True, True),
-    ("The correct option is \\boxed{B}", "B", False, True, False),
-    ("no answer at all", None, False, False, False),
-]
-
-
-@pytest.mark.parametrize(("text", "ref", "strict", "lenient", "formatted"), CASES)
-def test_strict_lenient_format_on_hand_made_completions(text, ref, strict, lenient, formatted):
-    assert em.is_strict(text, ref) is strict
-    assert em.is_lenient(text, ref) is lenient
-    assert em.is_formatted(text) is formatted
-    assert not (strict and not lenient), "lenient must include strict"
-
-
-def test_final_number_skips_expressions_and_tags():
-    assert em.final_number("x^2 is 16, so x = 4.") == "4."
-    assert em.final_number("<answer>7</answer>") == "7"
-    assert em.final_number("no digits here") is None
-
-
 def test_tail_repeat_detects_doom_loop_only_at_the_tail():
     loop = "the answer is".split() + ["</answer>"] * 6
     assert em.tail_repeat(loop)
@@ -109,9 +79,9 @@ def test_score_and_summarize_figures():
     recs = em.score_samples(completions, refs, 4, lengths=lengths, truncated=truncated)
     assert [r["prompt"] for r in recs] == [0, 0, 0, 0, 1, 1, 1, 1]
     s = em.summarize(recs, 4)
-    assert s["strict"] == pytest.approx(4 / 8)
-    assert s["lenient"] == pytest.approx(6 / 8)
-    assert s["format"] == pytest.approx(5 / 8)
+    assert s["strict_accuracy"] == pytest.approx(4 / 8)
+    assert s["lenient_accuracy"] == pytest.approx(6 / 8)
+    assert s["format_rate"] == pytest.approx(5 / 8)
     assert s["doom_loop"] == pytest.approx(1 / 8) and s["truncated"] == pytest.approx(1 / 8)
     assert s["pass@1"] == pytest.approx(s["mean@4"]) == pytest.approx((1 / 4 + 3 / 4) / 2)
     assert s["pass@4"] == pytest.approx(1.0)
@@ -126,10 +96,18 @@ def test_score_samples_checks_counts():
 
 def test_markdown_table_side_by_side():
     def summary(strict, lenient, p8):
-        return {"strict": strict, "lenient": lenient, "pass@8": p8, "num_samples": 8}
+        return {
+            "strict_accuracy": strict,
+            "lenient_accuracy": lenient,
+            "pass@8": p8,
+            "num_samples": 8,
+        }
 
     runs = {
-        "base": {"gsm8k": summary(0.5, 0.6, 0.9), "jeebench": {"strict": 0.1, "num_samples": 8}},
+        "base": {
+            "gsm8k": summary(0.5, 0.6, 0.9),
+            "jeebench": {"strict_accuracy": 0.1, "num_samples": 8},
+        },
         "hard": {"gsm8k": summary(0.712, 0.75, 0.95)},
     }
     table = em.markdown_table(runs)
@@ -141,7 +119,7 @@ def test_markdown_table_side_by_side():
 
 
 def test_markdown_table_adds_the_judge_column_when_judged():
-    runs = {"a": {"gsm8k": {"strict": 0.5, "lenient": 0.5, "pass@2": 0.5, "judge": 0.25,
-                            "num_samples": 2}}}  # fmt: skip
+    figures = {"strict_accuracy": 0.5, "lenient_accuracy": 0.5, "pass@2": 0.5, "judge": 0.25}
+    runs = {"a": {"gsm8k": {**figures, "num_samples": 2}}}
     header = em.markdown_table(runs).split("\n")[0]
     assert header.endswith("| GSM8K pass@2 | GSM8K judge |")

@@ -177,7 +177,8 @@ def test_evaluate_checkpoint_and_base_side_by_side(tiny_run, tmp_path):
         (task,) = run["tasks"].values()
         summary, records = task["summary"], task["records"]
         assert len(records) == 2 * 3 and summary["num_prompts"] == 2
-        assert {"pass@1", "pass@2", "pass@3", "mean@3", "lenient", "format"} <= set(summary)
+        figures = {"strict_accuracy", "lenient_accuracy", "format_rate", "mean@3"}
+        assert figures | {"pass@1", "pass@2", "pass@3"} <= set(summary)
         # The judge (a random tiny model here) gives one verdict per completion.
         assert all(isinstance(r["judge"], bool) for r in records) and 0 <= summary["judge"] <= 1
         assert all(1 <= r["length"] <= 6 for r in records)
@@ -209,4 +210,4 @@ def test_smollm2_on_gsm8k_fixture(tmp_path):
     assert len(texts) == 4 and all(r["length"] <= 16 for r in task["records"])
     # A real instruct model writes words, not byte soup.
     assert sum(t.count(" ") for t in texts) >= 8, texts
-    assert task["summary"]["lenient"] >= task["summary"]["strict"]
+    assert task["summary"]["lenient_accuracy"] >= task["summary"]["strict_accuracy"]

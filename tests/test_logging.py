@@ -60,7 +60,7 @@ def test_progress_text_and_dead_run_warnings(capsys):
     text = jlog.ProgressBar.describe(
         {
             "reward/mean": 0.5,
-            "accuracy": 0.25,
+            "strict_accuracy": 0.25,
             "kl/mean": 0.001,
             "time/sampling": 2.0,
             "time/update": 1.5,
@@ -81,7 +81,7 @@ def test_progress_text_and_dead_run_warnings(capsys):
     assert err.count("warning:") == 2 and "every completion was truncated" in err
     assert err.count("\n") == 2, f"each warning is one line, printed once: {err!r}"
 
-    solved = {"completion/truncated_frac": 0.0, "reward/std": 0.0, "accuracy": 1.0}
+    solved = {"completion/truncated_frac": 0.0, "reward/std": 0.0, "strict_accuracy": 1.0}
     assert jlog.check_dead_run(4, solved) == ["dead_run/solved"]
     out = capsys.readouterr()
     assert "solved" in out.out and "does not move" not in out.out + out.err

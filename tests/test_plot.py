@@ -17,7 +17,7 @@ def _run(path, rewards, with_kl):
             if with_kl:
                 row["kl/mean"] = 0.01 * step
             f.write(json.dumps(row) + "\n")
-        f.write(json.dumps({"step": len(rewards), "eval/accuracy": 0.5}) + "\n")
+        f.write(json.dumps({"step": len(rewards), "eval/strict_accuracy": 0.5}) + "\n")
 
 
 def _learning_run(path, steps, rate, functions=("format", "exact_answer")):
@@ -31,12 +31,14 @@ def _learning_run(path, steps, rate, functions=("format", "exact_answer")):
         if step:
             row |= {f"reward/{fn}/mean": acc * (i + 1) / 2 for i, fn in enumerate(functions)}
             row |= {f"reward/{fn}/std": 0.1 for fn in functions}
-            row |= {"accuracy": acc, "kl/mean": 0.002 * step, "entropy": 1.2 - 0.03 * step}
+            row |= {"strict_accuracy": acc, "lenient_accuracy": acc, "format_rate": 0.5}
+            row |= {"kl/mean": 0.002 * step, "entropy": 1.2 - 0.03 * step}
             row |= {"completion/length_correct": None if step == 1 else 20 + step}
             row |= {"completion/length_incorrect": 60 - step, "completion/truncated_frac": 0.1}
             row |= {"temperature": 1.0 - 0.02 * step}
         if step % 5 == 0 or step == steps:
-            row |= {"eval/strict_accuracy": acc * 0.9, "eval/accuracy": acc}
+            row |= {"eval/strict_accuracy": acc * 0.9, "eval/lenient_accuracy": acc}
+            row |= {"eval/format_rate": 0.8}
         rows.append(json.dumps(row))
     (path / "metrics.jsonl").write_text("\n".join(rows) + "\n")
     return str(path)
@@ -72,13 +74,16 @@ def test_dashboard_panels_runs_and_no_data(tmp_path):
     def lines(title):
         return [line for line in axes[title].get_lines() if len(line.get_xdata())]
 
-    fast, slow = (line.get_color() for line in lines("train accuracy"))
-    assert fast != slow
+    train_acc = lines("train accuracy")
+    fast, slow = train_acc[0].get_color(), train_acc[-1].get_color()
+    assert fast != slow and [line.get_color() for line in train_acc] == [fast] * 3 + [slow] * 3
+    styles = [line.get_linestyle() for line in train_acc[:3]]
+    assert styles == ["-", ":", "--"], "strict, lenient, format"
     rewards = lines("reward per function")
     assert [line.get_color() for line in rewards] == [fast, fast, slow], "per function, per run"
     assert [line.get_linestyle() for line in rewards] == ["-", "--", "-"], "style per function"
     held_out = lines("held-out accuracy")
-    assert [line.get_xdata().tolist() for line in held_out[:2]] == [[0, 5, 10, 12]] * 2
+    assert [line.get_xdata().tolist() for line in held_out[:3]] == [[0, 5, 10, 12]] * 3
     assert held_out[0].get_marker() == "o" and held_out[0].get_color() == fast
     correct, incorrect = lines("completion length")[:2]
     assert correct.get_xdata().tolist() == list(range(2, 13)), "a step without correct answers"
@@ -93,7 +98,7 @@ def test_dashboard_panels_runs_and_no_data(tmp_path):
 def test_read_metrics_merges_steps_and_names_missing_dir(tmp_path, capsys):
     _run(tmp_path / "a", [0.1, 0.3], with_kl=False)
     rows = plot.read_metrics(str(tmp_path / "a"))
-    assert rows[2]["reward/mean"] == 0.3 and rows[2]["eval/accuracy"] == 0.5
+    assert rows[2]["reward/mean"] == 0.3 and rows[2]["eval/strict_accuracy"] == 0.5
     key, steps, values = plot.series(rows, ("missing", "reward/mean"))
     assert key == "reward/mean" and steps.tolist() == [1, 2] and values.tolist() == [0.1, 0.3]
     with pytest.raises(FileNotFoundError, match="run directory"):

@@ -81,7 +81,7 @@ class _ToyLearner:
         return state, metrics, [{"prompt": "p", "completion": str(v)} for v in values]
 
     def evaluate(self, state, examples):
-        return {"accuracy": float(len(examples)) + float(state["w"][0])}
+        return {"strict_accuracy": float(len(examples)) + float(state["w"][0])}
 
 
 def _cfg(run_dir, **overrides):
@@ -109,7 +109,7 @@ def test_resume_equals_uninterrupted_and_crosses_epochs(tmp_path):
     rows_a, rows_b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     assert rows_a == rows_b, "metrics of the resumed run equal the uninterrupted run's"
     assert [r["step"] for r in rows_a] == [0, 1, 2, 3, 4, 5]
-    assert "eval/accuracy" in rows_a[0] and "eval/accuracy" in rows_a[-1]
+    assert "eval/strict_accuracy" in rows_a[0] and "eval/strict_accuracy" in rows_a[-1]
     assert final["reward/mean"] == rows_a[-1]["reward/mean"]
     assert os.path.exists(tmp_path / "a" / "samples.jsonl")
     with pytest.raises(ConfigError, match="config key 'resume'"):

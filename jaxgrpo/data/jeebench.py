@@ -5,8 +5,10 @@ Schema (daman1209arora/jeebench, one ``test`` split, or a local file with the sa
 ``MCQ(multiple)``, ``Integer``, ``Numeric``), and optionally ``subject`` and ``description``.
 
 The question gets a type-specific line saying what the answer should look like, then the prompt
-template. Examples carry ``answer`` (gold), ``type`` and ``subject``. ``train_examples`` raises:
-the seed study uses JEEBench only to evaluate, and training on it would leak the benchmark.
+template. Examples carry ``answer`` (gold), ``type``, ``subject`` and ``verifier``: math-verify
+(``MATH_VERIFY``) for numeric and integer answers, the fast path (letters compared as written)
+for multiple choice. ``train_examples`` raises: the seed study uses JEEBench only to evaluate,
+and training on it would leak the benchmark.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 from typing import ClassVar
 
 from jaxgrpo.data.base import Example, Row, RowTask, require_str
+from jaxgrpo.rewards.math import MATH_VERIFY
 
 ANSWER_HINTS = {
     "MCQ": "Exactly one option is correct; answer with its letter.",
@@ -33,7 +36,7 @@ class JEEBenchTask(RowTask):
     eval_fraction: float = 0.0
 
     name: ClassVar[str] = "jeebench"
-    columns: ClassVar[tuple[str, ...]] = ("answer", "type", "subject")
+    columns: ClassVar[tuple[str, ...]] = ("answer", "type", "subject", "verifier")
     default_rewards: ClassVar[tuple[tuple[str, float], ...]] = (("exact_answer", 1.0),)
     fixture: ClassVar[str] = "jeebench.json"
     hub_id: ClassVar[str] = "daman1209arora/jeebench"
@@ -48,6 +51,7 @@ class JEEBenchTask(RowTask):
             "answer": require_str(row, row.get("gold"), "gold"),
             "type": kind,
             "subject": str(row.get("subject", required=False, default="")),
+            "verifier": None if kind.startswith("MCQ") else MATH_VERIFY,
         }
 
     def _splits(self) -> tuple[list[Example], list[Example]]:

@@ -7,8 +7,9 @@ Schemas read (hub or local jsonl/json/parquet):
 - MATH-500 (HuggingFaceH4/MATH-500, the default; one ``test`` split, so train/eval are split by
   content hash): the same plus an ``answer`` column, which wins over the boxed extraction.
 
-Examples carry ``answer`` (the LaTeX answer string, not normalised: the math reward normalises
-both sides) and ``reference`` (the full solution).
+Examples carry ``answer`` (the LaTeX answer string, not normalised: the math reward compares
+both sides), ``reference`` (the full solution) and ``verifier`` = ``MATH_VERIFY``, so rewards and
+accuracy compare answers with math-verify (``jaxgrpo.rewards.math.verify_answer``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 from typing import ClassVar
 
 from jaxgrpo.data.base import Example, Row, RowTask, require_str
+from jaxgrpo.rewards.math import MATH_VERIFY
 
 _BOX_COMMANDS = ("\\boxed", "\\fbox")
 
@@ -53,7 +55,7 @@ class MathTask(RowTask):
     eval_split: str | None = None
 
     name: ClassVar[str] = "math"
-    columns: ClassVar[tuple[str, ...]] = ("answer", "reference")
+    columns: ClassVar[tuple[str, ...]] = ("answer", "reference", "verifier")
     default_rewards: ClassVar[tuple[tuple[str, float], ...]] = (
         ("exact_answer", 1.0),
         ("format", 0.2),
@@ -73,4 +75,5 @@ class MathTask(RowTask):
             "messages": self.messages(problem),
             "answer": require_str(row, answer, "answer"),
             "reference": solution,
+            "verifier": MATH_VERIFY,
         }

@@ -1,15 +1,25 @@
-"""Answer extraction, number parsing, LaTeX normalisation and the ``exact_answer`` reward.
+"""Answer extraction, number parsing, answer comparison and the ``exact_answer`` reward.
 
-The hard reward of the seed study: 1 when the number inside the completion's ``<answer>`` tag
-equals the reference, else 0. Real outputs need lenient parsing of *one* number (thousands
-commas, currency, units, negatives, decimals, fractions, ``\\boxed{}``, unicode digits) and, for
-MATH-style answers, LaTeX normalisation before a string comparison. Leniency stops at hedging:
-an answer holding several different numbers ("3 or 4") parses to nothing and scores 0.
+The hard reward of the seed study: 1 when the answer inside the completion's ``<answer>`` tag
+equals the reference, else 0. Two comparisons, chosen per example by its ``verifier`` column:
+
+* the fast path (default, GSM8K-style): lenient parsing of *one* number (thousands commas,
+  currency, units, negatives, decimals, fractions, ``\\boxed{}``, unicode digits), else LaTeX
+  normalisation and string equality. Leniency stops at hedging: an answer holding several
+  different numbers ("3 or 4") parses to nothing and scores 0.
+* ``MATH_VERIFY`` (the ``math`` and ``jeebench`` tasks): Hugging Face's math-verify, the
+  verifier behind TRL's ``accuracy_reward``, which compares LaTeX symbolically (sets,
+  intervals, matrices, equations, units). Two plain numbers still take the fast path. Every
+  math-verify call is time-bounded and any error scores 0.
 """
 
 from __future__ import annotations
 
+import atexit
+import concurrent.futures
+import multiprocessing
 import re
+import threading
 import unicodedata
 from fractions import Fraction
 
@@ -28,6 +38,12 @@ _DECORATION_RE = re.compile(
 # Left after stripping decorations, these mean an expression ("x^2", "2\pi", "1 + 2"), not a number.
 _OPERATOR_RE = re.compile(r"[\^*\\{}=×÷]|(?<=\S)\s*\+")
 _CURRENCY = "$€£¥₹¢"
+_LATEX_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
+_PLAIN_NUMBER_RE = re.compile(r"^\$?\s*-?\d+(?:\.\d+)?\s*\$?$")
+# "$\sqrt{2}.$": sentence punctuation just inside the closing delimiter, which math-verify
+# would read as part of the expression.
+_INNER_PERIOD_RE = re.compile(r"\s*(?<!\.)[.,;]\s*(\$+|\\\]|\\\))\s*$")
+_FINAL_PERIOD_RE = re.compile(r"(?<!\.)\.\s*$")
 _DASHES = {"\u2212": "-", "\u2013": "-", "\u2014": "-", "\u2012": "-", "\ufe63": "-"}
 
 
@@ -166,33 +182,145 @@ def answers_match(pred: str | None, ref: str) -> bool:
     return normalize_latex(pred) == normalize_latex(ref)
 
 
+# The ``verifier`` column value that selects math-verify (set by the math and jeebench tasks).
+MATH_VERIFY = "math_verify"
+# math-verify's own limit per parse and per comparison, in whole seconds (signal.alarm).
+MATH_VERIFY_TIMEOUT_S = 3
+# Longer answers are not parsed at all: an answer tag holding this much is not an answer.
+MATH_VERIFY_MAX_CHARS = 1000
+# Hard limit on one comparison run in the worker process (its start-up included).
+_WORKER_LIMIT_S = 60.0
+_worker_lock = threading.Lock()
+_worker: concurrent.futures.ProcessPoolExecutor | None = None
+
+
+def _as_latex(text: str) -> str:
+    """``text`` in math delimiters unless it has some, so math-verify reads bare LaTeX as math;
+    a trailing period inside the closing delimiter is dropped."""
+    if not any(d in text for d in _LATEX_DELIMITERS):
+        return f"${_FINAL_PERIOD_RE.sub('', text.strip())}$"
+    return _INNER_PERIOD_RE.sub(r"\1", text.strip())
+
+
+def _math_verify_here(pred: str, ref: str, timeout_s: int) -> bool:
+    """math-verify in this thread, which must be the main one (its timeouts are signal.alarm)."""
+    # Imported on first use: math-verify loads sympy and an ANTLR parser (about a second).
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    from math_verify.errors import TimeoutException
+
+    targets = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
+    try:
+        gold = parse(_as_latex(ref), targets, parsing_timeout=timeout_s)
+        answer = parse(_as_latex(pred), targets, parsing_timeout=timeout_s)
+        return bool(gold and answer and verify(gold, answer, timeout_seconds=timeout_s))
+    except (Exception, TimeoutException):
+        return False
+
+
+def _math_verify_worker() -> concurrent.futures.ProcessPoolExecutor:
+    """The one-process pool that runs math-verify for threads other than the main one."""
+    global _worker
+    if _worker is None:
+        # spawn, not fork: the trainer's process holds JAX threads that a fork would copy.
+        context = multiprocessing.get_context("spawn")
+        _worker = concurrent.futures.ProcessPoolExecutor(1, mp_context=context)
+        atexit.register(_stop_worker)
+    return _worker
+
+
+def _stop_worker() -> None:
+    global _worker
+    if _worker is not None:
+        for process in list(getattr(_worker, "_processes", {}).values()):
+            process.kill()  # a comparison stuck in C code ignores a polite shutdown
+        _worker.shutdown(wait=False, cancel_futures=True)
+        _worker = None
+
+
+def math_verify_match(pred: str | None, ref: str, timeout_s: int = MATH_VERIFY_TIMEOUT_S) -> bool:
+    """Whether math-verify finds ``pred`` equal to ``ref`` (both LaTeX or plain text).
+
+    Bounded: each parse and the comparison stop after ``timeout_s`` seconds (math-verify's own
+    signal-based limit). Called from any thread but the main one, where signals cannot be
+    used, the comparison runs in a worker process and is abandoned (the worker killed) after
+    ``_WORKER_LIMIT_S``. A timeout, a parse failure or any other error is a mismatch.
+    """
+    if pred is None or not pred.strip() or len(pred) > MATH_VERIFY_MAX_CHARS:
+        return False
+    if threading.current_thread() is threading.main_thread():
+        return _math_verify_here(pred, ref, timeout_s)
+    with _worker_lock:
+        future = _math_verify_worker().submit(_math_verify_here, pred, ref, timeout_s)
+        try:
+            return bool(future.result(timeout=_WORKER_LIMIT_S))
+        except Exception:
+            _stop_worker()
+            return False
+
+
+def verify_answer(pred: str | None, ref: str, verifier: str | None = None) -> bool:
+    """Whether a predicted answer string equals the reference answer, by ``verifier``.
+
+    ``None`` (or any other value): the fast path, ``answers_match``. ``MATH_VERIFY``: two plain
+    numbers (``42``, ``-0.5``) compare exactly without sympy, anything else (LaTeX, numbers
+    with units, separators or words around them) through ``math_verify_match``.
+    """
+    if verifier != MATH_VERIFY:
+        return answers_match(pred, ref)
+    if pred is None or not pred.strip():
+        return False
+    if _PLAIN_NUMBER_RE.match(pred.strip()) and _PLAIN_NUMBER_RE.match(ref.strip()):
+        return parse_number(pred) == parse_number(ref)
+    return math_verify_match(pred, ref)
+
+
+def last_number(text: str) -> str | None:
+    """The last whitespace-separated token of ``text`` that states a single number, or None.
+
+    Tags are removed first, so ``<answer>25</answer>`` and ``... is 25.`` both give ``25``;
+    parsing is ``parse_number`` (commas, currency, units, fractions).
+    """
+    text = text.replace("<answer>", " ").replace("</answer>", " ")
+    for token in reversed(text.split()):
+        if parse_number(token) is not None:
+            return token
+    return None
+
+
 def exact_answer(
-    prompts: list[str], completions: list[str], *, answer: list, **_
+    prompts: list[str],
+    completions: list[str],
+    *,
+    answer: list,
+    verifier: list | None = None,
+    **_,
 ) -> list[float | None]:
     """Hard correctness reward.
 
-    ``r_i = 1[answers_match(extract_answer(c_i), reference_answer(a_i))]``: 1.0 when the content
-    of the completion's last ``<answer>`` tag equals the reference answer (numerically, or after
-    LaTeX normalisation), else 0.0. An answer stated only in the reasoning (no tags) scores 0.
-    The reference may be a bare answer, a GSM8K solution (``#### 42``) or a boxed solution.
-    A missing (None or empty) reference scores None.
+    ``r_i = 1[verify_answer(extract_answer(c_i), reference_answer(a_i), verifier_i)]``: 1.0 when
+    the content of the completion's last ``<answer>`` tag equals the reference answer, else 0.0.
+    An answer stated only in the reasoning (no tags) scores 0. The reference may be a bare
+    answer, a GSM8K solution (``#### 42``) or a boxed solution. A missing (None or empty)
+    reference scores None. This is strict correctness (``jaxgrpo.rl.accuracy``).
 
     Args:
       prompts: [N] prompt strings (unused).
       completions: [N] completion strings.
       answer: [N] references (str or number).
+      verifier: [N] the task's ``verifier`` column (``MATH_VERIFY`` or None); None = fast path.
 
     Returns:
       [N] floats in {0.0, 1.0}, or None where the reference is missing.
     """
     del prompts
+    verifiers = verifier if verifier is not None else [None] * len(completions)
     rewards: list[float | None] = []
-    for completion, ref in zip(completions, answer, strict=True):
+    for completion, ref, kind in zip(completions, answer, verifiers, strict=True):
         if ref is None or not str(ref).strip():
             rewards.append(None)
             continue
         pred = extract_answer(completion_text(completion))
-        rewards.append(float(answers_match(pred, reference_answer(str(ref)))))
+        rewards.append(float(verify_answer(pred, reference_answer(str(ref)), kind)))
     return rewards
 
 

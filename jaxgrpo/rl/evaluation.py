@@ -1,4 +1,5 @@
-"""Greedy evaluation of the current policy on held-out examples (strict/lenient accuracy)."""
+"""Greedy evaluation of the current policy on held-out examples (strict/lenient accuracy and
+format rate, as ``jaxgrpo.rl.accuracy`` defines them)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from jaxgrpo.sampling import generate_from_state
 
 
 def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, float]:
-    """Greedy completions of `examples`: strict/lenient accuracy, reward, length.
+    """Greedy completions of `examples`: strict/lenient accuracy, format rate, reward, length.
 
     Examples are processed in batches of `prompts_per_step * group_size` prompts (the training
     batch's row count, so the sharding that fits training fits here), the last batch padded by
@@ -57,5 +58,5 @@ def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, fl
         truncated += (stop[:k] == step_metrics.LENGTH).tolist()
     prompts = [tok.apply_chat_template(ex["messages"]) for ex in examples]
     return step_metrics.eval_metrics(
-        learner.reward_set, learner.task.name, examples, prompts, texts, lengths, truncated
+        learner.reward_set, examples, prompts, texts, lengths, truncated
     )

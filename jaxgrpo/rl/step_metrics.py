@@ -4,7 +4,8 @@ Key names (the logger's progress bar and dead-run check read the first group):
 
     reward/mean, reward/std, kl/mean, completion/truncated_frac, time/{sampling,rewards,update}
     reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
-    accuracy                    strict correctness (jaxgrpo.rl.accuracy), when the task has one
+    strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.rl.accuracy, when the task has
+                                an answer column (held out, eval_metrics: the same names)
     adv/{mean,std,min,max}, adv/frac_zero_std_groups
     completion/length_mean, completion/length_correct, completion/length_incorrect
     completion/stop_<reason>_frac    LENGTH / STOP_TOKEN / REPETITION
@@ -106,7 +107,8 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
     lengths = r.lengths.astype(np.float64)
     m["completion/length_mean"] = _mean(lengths)
     if r.correct is not None:
-        m["accuracy"] = _mean(r.correct)
+        columns = columns_for(r.examples, r.group_size)
+        m.update(accuracy.rates(r.completions, columns, r.correct))
         m["completion/length_correct"] = _mean(lengths[r.correct])
         m["completion/length_incorrect"] = _mean(lengths[~r.correct])
     m["completion/truncated_frac"] = _mean(r.stop_reason == LENGTH)
@@ -157,14 +159,14 @@ def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:
 
 def eval_metrics(
     reward_set: Any,
-    task_name: str,
     examples: Sequence[dict],
     prompts: list[str],
     completions: list[str],
     lengths: Sequence[int],
     truncated: Sequence[bool],
 ) -> dict[str, float]:
-    """Strict/lenient accuracy, reward and length of one completion per example."""
+    """Strict/lenient accuracy and format rate (``jaxgrpo.rl.accuracy``), reward and length of
+    one completion per example."""
     columns = columns_for(examples, 1)
     total, per_fn, _ = reward_set(prompts, completions, columns, 0)
     m = {
@@ -176,10 +178,5 @@ def eval_metrics(
     for name, values in per_fn.items():
         values = np.asarray(values, np.float64)
         m[f"reward/{name}/mean"] = _mean(values[np.isfinite(values)])
-    strict = accuracy.strict_correct(task_name, completions, columns)
-    lenient = accuracy.lenient_correct(completions, columns)
-    if strict is not None:
-        m["strict_accuracy"] = _mean(strict)
-    if lenient is not None:
-        m["accuracy"] = _mean(lenient)
+    m.update(accuracy.rates(completions, columns))
     return m

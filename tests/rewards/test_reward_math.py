@@ -1,5 +1,8 @@
-"""exact_answer: extraction, number parsing, LaTeX normalisation, adversarial completions."""
+"""exact_answer: extraction, number parsing, LaTeX normalisation, adversarial completions, and
+math-verify for MATH-style answers (bounded, errors score 0, usable from any thread)."""
 
+import concurrent.futures
+import time
 from fractions import Fraction
 
 import pytest
@@ -7,13 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxgrpo.rewards.math import (
+    MATH_VERIFY,
     answers_match,
     exact_answer,
     extract_answer,
     last_boxed,
+    last_number,
     normalize_latex,
     parse_number,
     reference_answer,
+    verify_answer,
 )
 
 
@@ -146,3 +152,76 @@ def test_parse_number_property_formatted_decimals_round_trip(value, cents, fmt):
     sign = -1 if value < 0 else 1
     text = fmt.format(value, cents)
     assert parse_number(text) == sign * (abs(value) + Fraction(cents, 100)), text
+
+
+def test_last_number_skips_expressions_and_tags():
+    assert last_number("x^2 is 16, so x = 4.") == "4."
+    assert last_number("<answer>7</answer>") == "7"
+    assert last_number("no digits here") is None
+
+
+def _verified(completion, answer):
+    return exact_answer(["q"], [completion], answer=[answer], verifier=[MATH_VERIFY])[0]
+
+
+@pytest.mark.parametrize(
+    "pred, ref",
+    [
+        ("\\frac{2}{4}", "\\dfrac12"),  # LaTeX fractions, unreduced
+        ("$\\frac{\\sqrt{8}}{2}$", "\\sqrt{2}"),
+        ("[0, 1)", "[0,1)"),  # an interval
+        ("(-\\infty, -3] \\cup [2, \\infty)", "(-\\infty,-3]\\cup[2,\\infty)"),
+        ("\\{2, 1, 3\\}", "\\{1,2,3\\}"),  # a set, any order
+        (
+            "\\begin{pmatrix} 1 & 2 \\\\ 3 & 4 \\end{pmatrix}",
+            "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}",
+        ),
+        ("15\\mbox{ cm}^2", "15"),  # units
+        ("5 \\text{ inches}", "5"),
+        ("x = 2 - 2p", "2-2p"),
+        ("12", "12"),  # two plain numbers: the fast path
+    ],
+)
+def test_math_verify_accepts_equivalent_latex(pred, ref):
+    assert _verified(f"<answer>{pred}</answer>", ref) == 1.0, (pred, ref)
+
+
+@pytest.mark.parametrize(
+    "pred, ref",
+    [
+        ("\\frac{1}{3}", "\\frac{1}{2}"),
+        ("(0, 1)", "[0,1)"),
+        (
+            "\\begin{pmatrix} 1 & 2 \\\\ 3 & 5 \\end{pmatrix}",
+            "\\begin{pmatrix}1&2\\\\3&4\\end{pmatrix}",
+        ),
+        ("x < 5", "x > 5"),
+        ("3 or 4", "4"),  # hedging
+        ("AZYUK2A", "2"),
+    ],
+)
+def test_math_verify_rejects_wrong_answers(pred, ref):
+    assert _verified(f"<answer>{pred}</answer>", ref) == 0.0, (pred, ref)
+
+
+@pytest.mark.parametrize(
+    "pred", ["\\frac{", "\\sqrt{\\left(", "}}}{{{", "9^{9^{9^{9^{9}}}}", "x" * 5000]
+)
+def test_math_verify_malformed_answer_scores_zero_quickly(pred):
+    start = time.perf_counter()
+    assert _verified(f"<answer>{pred}</answer>", "1") == 0.0
+    assert time.perf_counter() - start < 15.0, "each parse and comparison is time-bounded"
+
+
+def test_math_verify_from_a_worker_thread():
+    """Signal-based timeouts need the main thread; elsewhere a worker process compares."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        right = pool.submit(verify_answer, "\\frac{2}{4}", "\\frac12", MATH_VERIFY)
+        wrong = pool.submit(verify_answer, "\\frac{1}{3}", "\\frac12", MATH_VERIFY)
+        assert right.result(timeout=120) and not wrong.result(timeout=120)
+
+
+def test_fast_path_is_the_default_for_gsm8k_style_answers():
+    assert verify_answer("$1,200", "1200") and not verify_answer("\\{2,1\\}", "\\{1,2\\}")
+    assert verify_answer("\\{2,1\\}", "\\{1,2\\}", MATH_VERIFY)
+    assert exact_answer(["q"], ["<answer>[0, 1)</answer>"], answer=["[0,1)"]) == [1.0]

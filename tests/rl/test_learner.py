@@ -90,7 +90,9 @@ def test_step_metrics_and_samples(one_device_run):
         "adv/frac_zero_std_groups",
         "completion/length_mean",
         "completion/truncated_frac",
-        "accuracy",
+        "strict_accuracy",
+        "lenient_accuracy",
+        "format_rate",
         "time/sampling",
         "time/rewards",
         "time/update",
@@ -139,7 +141,8 @@ def test_evaluate_reports_accuracy(one_device_run):
     state = learner.init_state()
     m = learner.evaluate(state, one_device_run["examples"][:3])
     assert m["num_examples"] == 3
-    assert 0.0 <= m["strict_accuracy"] <= 1.0 and 0.0 <= m["accuracy"] <= 1.0
+    for key in ("strict_accuracy", "lenient_accuracy", "format_rate"):
+        assert 0.0 <= m[key] <= 1.0, key
 
 
 def _rollout(rewards_BG, prompt_len):
@@ -183,25 +186,6 @@ def test_rollout_group_selection_and_concat_keep_groups_aligned():
     np.testing.assert_array_equal(kept.rewards, [0.0, 1.0, 2.0, 0.0])
     assert kept.completions == ["c2", "c3", "c2", "c3"]
     np.testing.assert_array_equal(kept.tokens[2], second.tokens[2])
-
-
-def test_strict_and_lenient_accuracy():
-    from jaxgrpo.rl import accuracy
-
-    completions = ["<answer>42</answer>", " <answer>42</answer>\n", "so <answer>42</answer>", "42"]
-    columns = {"answer": ["42"] * 4}
-    strict = accuracy.strict_correct("format_copy", completions, columns)
-    np.testing.assert_array_equal(strict, [True, True, False, False])
-    np.testing.assert_array_equal(
-        accuracy.lenient_correct(completions, columns), [True, True, True, False]
-    )
-    gsm = accuracy.strict_correct(
-        "gsm8k",
-        ["x <answer>42</answer>", "<answer>41</answer>"],
-        {"answer": ["#### 42", "#### 42"]},
-    )
-    np.testing.assert_array_equal(gsm, [True, False])
-    assert accuracy.strict_correct("sonnets", completions, {"reference": ["a"] * 4}) is None
 
 
 def parity_reward(prompts, completions, answer, **_):
