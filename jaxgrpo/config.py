@@ -53,6 +53,8 @@ class RewardsConfig:
 
     functions: tuple[tuple[Any, ...], ...]
     reward_on_error: str
+    max_failed_steps: int
+    conversational: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,7 +311,12 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
         resume=d["resume"],
         model=ModelSpec(**m | _tuple(m, "lora_targets")),
         task=TaskConfig(**{**d["task"], "kwargs": dict(d["task"]["kwargs"])}),
-        rewards=RewardsConfig(functions=functions, reward_on_error=rw["reward_on_error"]),
+        rewards=RewardsConfig(
+            functions=functions,
+            reward_on_error=rw["reward_on_error"],
+            max_failed_steps=rw["max_failed_steps"],
+            conversational=rw["conversational"],
+        ),
         sampling=SamplingConfig(
             **{**s, "temperature_schedule": TemperatureSchedule(**s["temperature_schedule"])}
             | _tuple(s, "repetition_guard")

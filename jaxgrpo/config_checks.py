@@ -104,6 +104,8 @@ def _check_rewards(cfg: ConfigDict) -> None:
         if len(entry) == 3:
             _require(isinstance(entry[2], Mapping), key, "kwargs must be a dict", entry[2])
     _one_of(cfg, "rewards.reward_on_error", ("none", "raise"))
+    failed = cfg.rewards.max_failed_steps
+    _require(failed >= 1, "rewards.max_failed_steps", "must be >= 1", failed)
 
 
 def _check_sampling(cfg: ConfigDict) -> None:

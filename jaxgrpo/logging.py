@@ -251,6 +251,10 @@ class ProgressBar:
             parts.append(f"acc={float(metrics[ACCURACY]):.2f}")
         if KL_MEAN in metrics:
             parts.append(f"kl={float(metrics[KL_MEAN]):.4f}")
+        for key, value in metrics.items():  # reward/<fn>/failed_frac: samples a fn cannot score
+            name = key.removeprefix("reward/").removesuffix("/failed_frac")
+            if key.startswith("reward/") and key.endswith("/failed_frac") and float(value) > 0:
+                parts.append(f"{name} failed={float(value):.2f}")
         times = [float(metrics[k]) if k in metrics else None for k in TIME_KEYS]
         if any(t is not None for t in times):
             split = "|".join(

@@ -41,6 +41,7 @@ from jaxgrpo.logging import (
     run_summary,
     warn_once,
 )
+from jaxgrpo.rewards.combine import RewardError
 from jaxgrpo.runtime import (
     DataStream,
     MissingExtra,
@@ -470,9 +471,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             sys.exit(f"error: {e}")
         try:
             run(cfg)
-        except (ConfigError, OSError, MissingExtra) as e:
-            # Bad input (config, missing file, unreachable hub id, a missing optional package):
-            # one clear line, no traceback.
+        except (ConfigError, OSError, MissingExtra, RewardError) as e:
+            # Bad input (config, missing file, unreachable hub id, a missing optional package,
+            # a reward function that fails every sample): one clear line, no traceback.
             sys.exit(f"error: {e}")
 
     def _parse(args):

@@ -39,6 +39,8 @@ def _rewards() -> ConfigDict:
     # kind constant/linear/step/cosine, start, end, start_step, end_step); kwargs bound to the fn.
     c.functions = (("format_copy", 1.0),)
     c.reward_on_error = "none"  # a reward fn that raises: "none" scores None, "raise" stops the run
+    c.max_failed_steps = 3  # stop once a reward fn fails every sample of this many steps in a row
+    c.conversational = False  # user reward fns get TRL's chat-message prompts/completions, not str
     return c
 
 

@@ -1,8 +1,36 @@
 """Reward functions by name: the registry configs refer to, and user functions by dotted path.
 
-Every reward has TRL's signature ``fn(prompts, completions, **columns) -> list[float | None]``
-(``None``: cannot score; excluded from group statistics). Configs say
-``rewards = [("exact_answer", 1.0), ("format", 0.2)]``; see ``combine.RewardSet``.
+Configs say ``rewards = [("exact_answer", 1.0), ("format", 0.2)]``; see ``combine.RewardSet``.
+
+Signature: TRL's. ``RewardSet`` calls every function as GRPOTrainer's ``_calculate_rewards``
+does, all by keyword, and takes back ``list[float | None]`` of length N (``None``: cannot
+score; excluded from group statistics)::
+
+    fn(prompts=..., completions=..., completion_ids=..., completion_lengths=...,
+       trainer_state=..., log_extra=..., log_metric=..., **columns)
+
+- ``prompts``, ``completions``: [N], one per sampled completion (G per prompt, grouped).
+  Strings by default: the prompt rendered through the chat template, as the model saw it, and
+  the decoded completion. With ``rewards.conversational=True`` a user function gets TRL's
+  conversational form instead: each prompt is the example's ``messages`` (a list of
+  ``{"role", "content"}`` dicts) and each completion ``[{"role": "assistant", "content":
+  text}]``. jaxgrpo's own functions (anything in this package) always get strings; they also
+  accept TRL's conversational completions when called directly.
+- ``completion_ids``: [N] lists of sampled token ids, without padding, up to and including
+  the stop token (TRL's masked ``completion_ids``); ``completion_lengths``: [N] ints, their
+  lengths (jaxgrpo's own ``length_penalty`` reads them). Both only in training.
+- ``trainer_state``: a ``combine.TrainerState`` with ``global_step`` (the step being scored,
+  0-based) and ``max_steps`` (the run's ``steps``), the fields of ``transformers.TrainerState``
+  that reward functions use; no others.
+- ``log_extra(column, values)`` and ``log_metric(name, value)``: accepted as in TRL; what they
+  receive is kept on ``RewardSet.logged_extra`` / ``logged_metrics`` for the latest step.
+- ``**columns``: every task column but ``messages`` (e.g. ``answer``, ``reference``), one
+  value per completion. Functions must therefore accept ``**kwargs``, as TRL's must.
+
+So a function written for TRL's GRPOTrainer runs unchanged; set ``rewards.conversational``
+to the data format it was written for. A function that raises or returns None for every
+sample of ``rewards.max_failed_steps`` consecutive steps stops the run with a
+``RewardError`` naming it and a failing sample.
 
 Model-based rewards (``embedding``, ``perplexity``) are imported on first call, so importing
 this package loads no model.
@@ -16,7 +44,15 @@ from collections.abc import Callable
 
 from jaxgrpo.rewards.bleu import bleu
 from jaxgrpo.rewards.code import code_tests
-from jaxgrpo.rewards.combine import Curriculum, RewardSet, _embedding, embedding_bleu, hard_soft
+from jaxgrpo.rewards.combine import (
+    Curriculum,
+    RewardError,
+    RewardSet,
+    TrainerState,
+    _embedding,
+    embedding_bleu,
+    hard_soft,
+)
 from jaxgrpo.rewards.format import format_copy, format_r1, format_strict
 from jaxgrpo.rewards.length import length_penalty, repetition_penalty
 from jaxgrpo.rewards.math import exact_answer
@@ -92,7 +128,9 @@ def get_reward(target: str | Callable, **kwargs) -> Callable[..., list]:
 __all__ = [
     "REWARDS",
     "Curriculum",
+    "RewardError",
     "RewardSet",
+    "TrainerState",
     "bleu",
     "code_tests",
     "embedding_bleu",

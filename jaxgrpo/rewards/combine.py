@@ -11,6 +11,7 @@ that step, so "soft first, then hard" is one config line::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -131,12 +132,47 @@ def hard_soft(
     return _mix([(hard_weight, hard), (1.0 - hard_weight, soft)])
 
 
+class RewardError(ValueError):
+    """A reward function cannot score a run: it fails every sample, step after step, or
+    returns the wrong number of values. The message names the function and a failing sample."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainerState:
+    """The fields of ``transformers.TrainerState`` that reward functions read, passed as
+    ``trainer_state`` as TRL's GRPOTrainer does (e.g. to shape a reward over training).
+
+    Attributes:
+      global_step: the step whose completions are being scored (0 at the first step; TRL's
+        count of optimizer steps done so far).
+      max_steps: the run's ``steps`` (0 when unknown, e.g. outside training).
+    """
+
+    global_step: int = 0
+    max_steps: int = 0
+
+
 @dataclasses.dataclass
 class _Term:
     name: str
     fn: RewardFn
     weight: Curriculum
+    builtin: bool = False  # jaxgrpo's own: always gets strings
     reported: bool = False
+    failed_steps: int = 0  # consecutive training steps in which every sample failed
+    counted_step: int | None = None  # the step failed_steps last looked at
+
+
+def _is_builtin(fn: Callable) -> bool:
+    """True for functions defined in the jaxgrpo package (they take strings)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return getattr(fn, "__module__", "").split(".")[0] == "jaxgrpo"
+
+
+def _describe(failure: tuple[int, str], completions: Sequence) -> str:
+    i, why = failure
+    return f"sample {i} {why}; completion {str(completions[i])[:300]!r}"
 
 
 class RewardSet:
@@ -145,7 +181,8 @@ class RewardSet:
     ``None`` (cannot score) becomes NaN in the per-function columns and contributes nothing to
     the total, i.e. it counts as weight 0 for that sample (no renormalisation, so a sample's
     scale never depends on which other rewards could score it). A sample that no function could
-    score has total NaN, which the advantage computation must exclude.
+    score has total NaN, which the advantage computation must exclude. How functions are
+    called (TRL's keyword arguments) is in the ``jaxgrpo.rewards`` module docstring.
 
     Args:
       specs: ``(name_or_callable, weight)`` or ``(name_or_callable, weight, kwargs)`` where
@@ -153,8 +190,12 @@ class RewardSet:
         function (``get_reward(name, **kwargs)``).
       on_error: ``"none"``: a sample whose reward raises scores None; the first failure of each
         function is logged once (a warning naming the function and the offending sample) and
-        ``error_counts[name]`` counts all of them for the metrics; ``"raise"``: re-raise,
-        naming the function.
+        ``error_counts[name]`` counts all of them for the metrics; ``"raise"``: raise
+        ``RewardError``, naming the function.
+
+    Attributes:
+      logged_metrics / logged_extra: what functions passed to TRL's ``log_metric(name, value)``
+        and ``log_extra(column, values)`` during the latest step scored.
     """
 
     def __init__(self, specs: Sequence[Sequence[Any]], on_error: str = "none"):
@@ -165,6 +206,9 @@ class RewardSet:
         self.on_error = on_error
         self.terms: list[_Term] = []
         self.error_counts: dict[str, int] = {}
+        self.logged_metrics: dict[str, list[float]] = {}
+        self.logged_extra: dict[str, list] = {}
+        self._logged_step: int | None = None
         for spec in specs:
             if len(spec) not in (2, 3):
                 raise ValueError(f"reward spec must be (name, weight[, kwargs]), got {spec!r}")
@@ -174,7 +218,8 @@ class RewardSet:
             if name in {t.name for t in self.terms}:
                 name = f"{name}#{len(self.terms)}"
             fn = get_reward(target, **kwargs)
-            self.terms.append(_Term(name, fn, Curriculum.from_spec(weight)))
+            builtin = _is_builtin(fn)
+            self.terms.append(_Term(name, fn, Curriculum.from_spec(weight), builtin))
 
     def weights(self, step: int) -> dict[str, float]:
         """Each function's weight at ``step``."""
@@ -186,14 +231,25 @@ class RewardSet:
         completions: list[str],
         columns: Mapping[str, Sequence[Any]] | None = None,
         step: int = 0,
+        *,
+        prompt_messages: Sequence[list[dict]] | None = None,
+        max_steps: int = 0,
+        max_failed_steps: int | None = None,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
         """Scores a batch.
 
         Args:
-          prompts: [N] prompt strings.
+          prompts: [N] prompt strings (as the model saw them).
           completions: [N] completion strings.
-          columns: task columns, each a length-N sequence (e.g. ``answer``, ``reference``).
+          columns: per-sample keyword arguments, each a length-N sequence: the task's columns
+            (e.g. ``answer``) and, in training, ``completion_ids`` and ``completion_lengths``.
           step: the training step, for curricula.
+          prompt_messages: [N] prompts as chat messages. Given: user functions get TRL's
+            conversational ``prompts``/``completions`` (lists of messages); None: strings.
+          max_steps: the run's length, for ``trainer_state`` (``TrainerState(step, max_steps)``,
+            passed to every function).
+          max_failed_steps: in training, raise ``RewardError`` once a function has failed
+            every sample (raised or returned None) of this many consecutive steps; None: never.
 
         Returns:
           ``(total [N] float32, per_fn {name: [N] float32 with NaN for None}, weights {name:
@@ -204,48 +260,106 @@ class RewardSet:
         for key, values in columns.items():
             if len(values) != n:
                 raise ValueError(f"column {key!r} has {len(values)} values for {n} completions")
+        if self._logged_step != step:
+            self.logged_metrics, self.logged_extra, self._logged_step = {}, {}, step
+        context = {
+            "trainer_state": TrainerState(global_step=step, max_steps=max_steps),
+            "log_extra": self._log_extra,
+            "log_metric": self._log_metric,
+        }
+        conversational = None
+        if prompt_messages is not None:
+            assistant = [[{"role": "assistant", "content": c}] for c in completions]
+            conversational = (list(prompt_messages), assistant)
         weights = self.weights(step)
-        per_fn = {t.name: self._score(t, prompts, completions, columns) for t in self.terms}
+        per_fn = {}
+        for term in self.terms:
+            p, c = (prompts, completions) if term.builtin or not conversational else conversational
+            values, failure = self._score(term, p, c, columns, context)
+            per_fn[term.name] = values
+            if max_failed_steps is not None:
+                self._count_failed_step(term, step, failure, max_failed_steps, c, conversational)
+        return self._total(per_fn, weights, n), per_fn, weights
+
+    @staticmethod
+    def _total(per_fn: dict[str, np.ndarray], weights: dict[str, float], n: int) -> np.ndarray:
         scored = np.zeros((n,), np.bool_)
         total = np.zeros((n,), np.float32)
         for name, values in per_fn.items():
             ok = ~np.isnan(values)
             scored |= ok
             total += np.where(ok, np.float32(weights[name]) * values, np.float32(0.0))
-        total = np.where(scored, total, np.float32(np.nan)).astype(np.float32)
-        return total, per_fn, weights
+        return np.where(scored, total, np.float32(np.nan)).astype(np.float32)
 
-    def _score(self, term: _Term, prompts, completions, columns) -> np.ndarray:
+    def _log_extra(self, column: str, values: list) -> None:
+        self.logged_extra.setdefault(column, []).extend(values)
+
+    def _log_metric(self, name: str, value: float) -> None:
+        self.logged_metrics.setdefault(name, []).append(float(value))
+
+    def _count_failed_step(self, term, step, failure, max_failed_steps, completions, conv):
+        """Counts steps in which every sample failed; a step with one scored sample resets."""
+        if failure is None:
+            term.failed_steps, term.counted_step = 0, step
+            return
+        if term.counted_step != step:
+            term.failed_steps, term.counted_step = term.failed_steps + 1, step
+        if term.failed_steps < max_failed_steps:
+            return
+        hint = ""
+        if not term.builtin and conv is None:
+            hint = (
+                " (it got prompt/completion strings; a function written for TRL's "
+                "conversational format needs rewards.conversational=True)"
+            )
+        raise RewardError(
+            f"reward function {term.name!r} failed on every sample of {term.failed_steps} "
+            f"consecutive steps (rewards.max_failed_steps={max_failed_steps}), e.g. "
+            f"{_describe(failure, completions)}{hint}"
+        )
+
+    def _score(self, term: _Term, prompts, completions, columns, context):
+        """[N] float32 values (NaN = None), and (index, why) of a failed sample when every
+        sample failed, else None."""
         n = len(completions)
         try:
-            values = term.fn(prompts, completions, **columns)
+            values = term.fn(prompts=prompts, completions=completions, **columns, **context)
+            errors = {}
         except Exception as error:
             if self.on_error == "raise":
-                raise RuntimeError(f"reward function {term.name!r} raised: {error!r}") from error
-            values = self._score_one_by_one(term, prompts, completions, columns)
+                raise RewardError(f"reward function {term.name!r} raised: {error!r}") from error
+            values, errors = self._score_one_by_one(term, prompts, completions, columns, context)
         if values is None or len(values) != n:
             got = "None" if values is None else f"{len(values)} values"
-            raise ValueError(f"reward function {term.name!r} returned {got} for {n} completions")
-        return np.array([np.nan if v is None else float(v) for v in values], np.float32)
+            raise RewardError(f"reward function {term.name!r} returned {got} for {n} completions")
+        out = np.array([np.nan if v is None else float(v) for v in values], np.float32)
+        if n == 0 or not np.isnan(out).all():
+            return out, None
+        if errors:
+            i = min(errors)
+            return out, (i, f"raised {errors[i]!r}")
+        return out, (0, "returned None")
 
-    def _score_one_by_one(self, term: _Term, prompts, completions, columns) -> list:
+    def _score_one_by_one(self, term: _Term, prompts, completions, columns, context):
         """Re-runs a failed batch per sample so only the offending samples score None."""
-        values, failed = [], []
+        values, failed = [], {}
         for i in range(len(completions)):
             one = {k: [v[i]] for k, v in columns.items()}
             try:
-                result = term.fn([prompts[i]], [completions[i]], **one)
+                result = term.fn(
+                    prompts=[prompts[i]], completions=[completions[i]], **one, **context
+                )
                 if len(result) != 1:
                     raise ValueError(f"returned {len(result)} values for 1 completion")
                 values.append(result[0])
             except Exception as error:
-                failed.append((i, error))
+                failed[i] = error
                 values.append(None)
         if failed:
             self.error_counts[term.name] = self.error_counts.get(term.name, 0) + len(failed)
         if failed and not term.reported:
             term.reported = True
-            i, error = failed[0]
+            i = min(failed)
             _LOG.warning(
                 "reward function %r raised on %d of %d samples; they score None (further "
                 "failures are only counted in error_counts). Sample %d, error %r, completion %r",
@@ -253,7 +367,7 @@ class RewardSet:
                 len(failed),
                 len(completions),
                 i,
-                error,
+                failed[i],
                 str(completions[i])[:500],
             )
-        return values
+        return values, failed

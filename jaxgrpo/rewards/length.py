@@ -38,8 +38,8 @@ def length_penalty(
 
     ``L_max = max_length`` should be the sampler's ``max_new_tokens``; ``L_cache =
     cache_length`` is the soft zone. Lengths come from ``completion_lengths`` ([N] ints) or
-    ``completion_ids`` ([N] token lists). Pass the limits with ``get_reward("length_penalty",
-    max_length=..., cache_length=...)``.
+    ``completion_ids`` ([N] token lists, as TRL passes them); the trainer passes both. Pass
+    the limits with ``get_reward("length_penalty", max_length=..., cache_length=...)``.
 
     Returns:
       [N] floats in [-1, 0].

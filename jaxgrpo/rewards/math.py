@@ -204,7 +204,7 @@ def _as_latex(text: str) -> str:
 
 def _math_verify_here(pred: str, ref: str, timeout_s: int) -> bool:
     """math-verify in this thread, which must be the main one (its timeouts are signal.alarm)."""
-    # Imported on first use: math-verify loads sympy and an ANTLR parser (about a second).
+    # Imported on first use: math-verify loads sympy and an ANTLR parser.
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     from math_verify.errors import TimeoutException
 

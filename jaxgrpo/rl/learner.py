@@ -289,7 +289,16 @@ class Learner:
             completions = tok.batch_decode(host["tokens"], host["mask"])
             prompts = [tok.apply_chat_template(m) for m in messages for _ in range(g)]
             rewards, per_fn, weights, correct = ro.score(
-                self.reward_set, self.task.name, examples, prompts, completions, g, step
+                self.reward_set,
+                self.task.name,
+                examples,
+                prompts,
+                completions,
+                g,
+                step,
+                sampled=host,
+                rewards_cfg=self.cfg.rewards,
+                max_steps=self.cfg.steps,
             )
         return ro.Rollout(
             examples=examples,

@@ -386,14 +386,46 @@ def score(
     completions: list[str],
     group_size: int,
     step: int,
+    *,
+    sampled: dict[str, np.ndarray] | None = None,
+    rewards_cfg: Any = None,
+    max_steps: int = 0,
 ):
     """Runs the reward set and the strict-correctness check on N completions.
+
+    Reward functions get TRL's keyword arguments (see `jaxgrpo.rewards`): the task's columns,
+    `completion_ids` and `completion_lengths` from `sampled`, a `TrainerState` at `step`, and
+    with `rewards_cfg.conversational` the examples' messages as conversational prompts.
+
+    Args:
+        sampled: the sampler's host arrays: `tokens` and `mask` [N, T], `lengths` [N].
+        rewards_cfg: `RewardsConfig` (`conversational`, `max_failed_steps`), or None outside
+            training (strings, no failed-step limit).
+        max_steps: the run's `steps`, for `trainer_state.max_steps`.
 
     Returns:
         (total float32 [N], per_fn name -> float32 [N], weights, correct bool [N] or None).
     """
     columns = columns_for(examples, group_size)
-    total, per_fn, weights = reward_set(prompts, completions, columns, step)
+    reward_columns = dict(columns)
+    if sampled is not None:
+        rows = zip(sampled["tokens"], sampled["mask"], strict=True)
+        reward_columns["completion_ids"] = [t[m.astype(bool)].tolist() for t, m in rows]
+        reward_columns["completion_lengths"] = [int(x) for x in sampled["lengths"]]
+    messages, max_failed = None, None
+    if rewards_cfg is not None:
+        max_failed = rewards_cfg.max_failed_steps
+        if rewards_cfg.conversational:
+            messages = [ex["messages"] for ex in examples for _ in range(group_size)]
+    total, per_fn, weights = reward_set(
+        prompts,
+        completions,
+        reward_columns,
+        step,
+        prompt_messages=messages,
+        max_steps=max_steps,
+        max_failed_steps=max_failed,
+    )
     total = np.nan_to_num(np.asarray(total, np.float32))
     per_fn = {k: np.asarray(v, np.float32) for k, v in per_fn.items()}
     correct = accuracy.strict_correct(task_name, completions, columns)

@@ -4,6 +4,7 @@ Key names (the logger's progress bar and dead-run check read the first group):
 
     reward/mean, reward/std, kl/mean, completion/truncated_frac, time/{sampling,rewards,update}
     reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
+    reward/<fn>/failed_frac     fraction of samples the function could not score (raised/None)
     strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.rl.accuracy, when the task has
                                 an answer column (held out, eval_metrics: the same names)
     adv/{mean,std,min,max}, adv/frac_zero_std_groups
@@ -104,6 +105,7 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
         m[f"reward/{name}/mean"] = _mean(finite)
         m[f"reward/{name}/std"] = _std(finite)
         m[f"reward/{name}/weight"] = float(r.weights.get(name, math.nan))
+        m[f"reward/{name}/failed_frac"] = _mean(np.isnan(values))  # raised or returned None
     lengths = r.lengths.astype(np.float64)
     m["completion/length_mean"] = _mean(lengths)
     if r.correct is not None:

@@ -3,13 +3,22 @@
 import importlib.util
 import logging
 import math
+import re
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from jaxgrpo.rewards import REWARDS, Curriculum, RewardSet, get_reward, reward_name
+from jaxgrpo.rewards import (
+    REWARDS,
+    Curriculum,
+    RewardError,
+    RewardSet,
+    TrainerState,
+    get_reward,
+    reward_name,
+)
 from jaxgrpo.rewards.bleu import bleu
 from jaxgrpo.rewards.combine import embedding_bleu, hard_soft
 from jaxgrpo.rewards.math import exact_answer
@@ -128,7 +137,7 @@ def test_reward_set_raising_reward_scores_none_and_warns_once(caplog):
     assert len(warnings) == 1, "one warning per function, naming it and the sample"
     assert "boom here" in warnings[0].getMessage() and "Sample 1" in warnings[0].getMessage()
     assert rewards.error_counts == {"fragile": 2}
-    with pytest.raises(RuntimeError, match="fragile"):
+    with pytest.raises(RewardError, match="fragile"):
         RewardSet([(fragile, 1.0)], on_error="raise")(["p"], ["boom"], {}, step=0)
 
 
@@ -189,3 +198,117 @@ def test_importing_the_registry_loads_no_model():
     code = f"import sys, jaxgrpo.rewards; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# TRL's signature: functions exactly as a TRL GRPOTrainer user writes them.
+
+
+def reward_len(completions, **kwargs):
+    """TRL docs' standard-format example: prefer completions near 20 characters."""
+    return [-abs(20 - len(completion)) for completion in completions]
+
+
+def format_reward_func(completions, **kwargs):
+    """TRL docs' conversational-format example."""
+    pattern = r"^<think>.*?</think><answer>.*?</answer>$"
+    completion_contents = [completion[0]["content"] for completion in completions]
+    matches = [re.match(pattern, content) for content in completion_contents]
+    return [1.0 if match else 0.0 for match in matches]
+
+
+def user_turn_and_ids(prompts, completions, completion_ids, trainer_state, **kwargs):
+    """Reads every TRL keyword: conversational prompts, token ids, the step, columns, loggers."""
+    kwargs["log_metric"]("mean_ids", sum(map(len, completion_ids)) / len(completion_ids))
+    kwargs["log_extra"]("user", [p[-1]["content"] for p in prompts])
+    scale = trainer_state.global_step / trainer_state.max_steps
+    return [
+        scale * len(ids) + (1.0 if a in c[0]["content"] else 0.0)
+        for ids, c, a in zip(completion_ids, completions, kwargs["answer"], strict=True)
+    ]
+
+
+TRL_BATCH = {
+    "completions": ["<think>a</think><answer>4</answer>", "just 5"],
+    "messages": [[{"role": "user", "content": "2+2?"}], [{"role": "user", "content": "2+3?"}]],
+    "columns": {
+        "answer": ["4", "5"],
+        "completion_ids": [[5, 6, 7], [8]],
+        "completion_lengths": [3, 1],
+    },
+}
+
+
+def test_trl_standard_function_gets_strings_and_every_trl_keyword():
+    seen = {}
+
+    def spy(prompts, completions, completion_ids, trainer_state, log_extra, log_metric, **kw):
+        seen.update(prompts=prompts, completions=completions, ids=completion_ids, kw=kw)
+        seen["state"] = trainer_state
+        return [0.0] * len(completions)
+
+    b = TRL_BATCH
+    rewards = RewardSet([(reward_len, 1.0), (spy, 1.0)])
+    _, per_fn, _ = rewards(["rendered 1", "rendered 2"], b["completions"], b["columns"], 7)
+    np.testing.assert_array_equal(per_fn["reward_len"], np.float32([-14, -14]))
+    assert seen["prompts"] == ["rendered 1", "rendered 2"]
+    assert seen["completions"] == b["completions"] and seen["ids"] == [[5, 6, 7], [8]]
+    assert seen["state"] == TrainerState(global_step=7, max_steps=0)
+    assert set(seen["kw"]) == {"answer", "completion_lengths"}
+
+
+def test_trl_conversational_function_runs_unchanged_and_builtins_keep_strings():
+    b = TRL_BATCH
+    rewards = RewardSet(
+        [(format_reward_func, 1.0), (user_turn_and_ids, 1.0), ("exact_answer", 1.0)]
+    )
+    _, per_fn, _ = rewards(
+        ["rendered 1", "rendered 2"],
+        b["completions"],
+        b["columns"],
+        5,
+        prompt_messages=b["messages"],
+        max_steps=10,
+    )
+    np.testing.assert_array_equal(per_fn["format_reward_func"], np.float32([1, 0]))
+    # 0.5 * len(ids) + (holds the answer): 1.5 + 1, 0.5 + 1.
+    np.testing.assert_allclose(per_fn["user_turn_and_ids"], np.float32([2.5, 1.5]))
+    np.testing.assert_array_equal(per_fn["exact_answer"], np.float32([1, 0]))
+    assert rewards.logged_metrics == {"mean_ids": [2.0]}
+    assert rewards.logged_extra == {"user": ["2+2?", "2+3?"]}
+
+
+def test_reward_failing_every_sample_stops_after_max_failed_steps():
+    def always_raises(prompts, completions, **_):
+        raise KeyError("no column 'solution'")
+
+    rewards = RewardSet([(always_raises, 1.0), ("format", 1.0)])
+    for step in range(2):  # two rounds of one step (dynamic sampling) count once
+        rewards(["p"], ["<answer>1</answer>"], {}, step, max_failed_steps=3)
+        rewards(["p"], ["<answer>1</answer>"], {}, step, max_failed_steps=3)
+    with pytest.raises(RewardError) as info:
+        rewards(["p"], ["<answer>1</answer>"], {}, 2, max_failed_steps=3)
+    message = str(info.value)
+    assert "'always_raises'" in message and "3 consecutive steps" in message
+    assert "no column 'solution'" in message and "<answer>1</answer>" in message
+    assert "rewards.conversational=True" in message, "hints at TRL's conversational format"
+    assert "\n" not in message, "one line for the command line"
+
+
+def test_reward_failing_some_samples_or_some_steps_does_not_stop():
+    def none_for_b(prompts, completions, **_):
+        return [None if c == "b" else 1.0 for c in completions]
+
+    rewards = RewardSet([(none_for_b, 1.0)])
+    for step in range(5):
+        rewards(["p"] * 2, ["a", "b"], {}, step, max_failed_steps=1)  # half fails: fine
+    streak = RewardSet([(none_for_b, 1.0)])
+    for step in range(6):  # all-None steps, interrupted by a scored one, never reach 3
+        completions = ["a"] if step % 3 == 2 else ["b"]
+        streak(["p"], completions, {}, step, max_failed_steps=3)
+    streak(["p"], ["b"], {}, 6, max_failed_steps=3)
+    streak(["p"], ["b"], {}, 7, max_failed_steps=3)
+    with pytest.raises(RewardError, match="none_for_b.*sample 0 returned None.*'b'"):
+        streak(["p"], ["b"], {}, 8, max_failed_steps=3)
+    # Evaluation passes no limit: never an error.
+    for step in range(5):
+        RewardSet([(none_for_b, 1.0)])(["p"], ["b"], {}, step)
