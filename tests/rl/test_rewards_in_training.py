@@ -14,6 +14,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxgrpo.logging import ProgressBar
 from jaxgrpo.rewards import RewardError, RewardSet, get_reward
 from tests.rl.test_learner import make_learner, text_reward
 
@@ -141,3 +142,10 @@ def test_cli_reports_a_failing_reward_in_one_line(tmp_path):
     line = [x for x in out.stderr.splitlines() if x.startswith("error:")]
     assert len(line) == 1 and "'bad_rewards.always_raises'" in line[0], out.stderr
     assert "2 consecutive steps" in line[0] and "KeyError('solution')" in line[0]
+
+
+def test_progress_bar_shows_failed_fraction_when_non_zero():
+    text = ProgressBar.describe(
+        {"reward/mean": 0.5, "reward/f/failed_frac": 0.25, "reward/g/failed_frac": 0.0}
+    )
+    assert "f failed=0.25" in text and "g failed" not in text, text
