@@ -18,6 +18,7 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxgrpo.config_checks import ConfigError, check_mesh, unknown_key_error, validate
+from jaxgrpo.rl.losses import LOSS_PRESETS
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
 
@@ -59,11 +60,14 @@ class RewardsConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TemperatureSchedule:
-    """Temperature from ``SamplingConfig.temperature`` to ``end`` over ``steps`` (0 = run)."""
+    """A schedule (``jaxgrpo.sampling.schedules.build``): from its initial value to ``end`` over
+    ``steps`` (0 = the whole run or completion), or ``levels`` between ``boundaries``."""
 
     kind: str
     end: float
     steps: int
+    boundaries: tuple[int, ...]
+    levels: tuple[float, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +77,7 @@ class SamplingConfig:
     max_new_tokens: int
     temperature: float
     temperature_schedule: TemperatureSchedule
+    position_schedule: TemperatureSchedule
     top_p: float
     top_k: int
     min_p: float
@@ -88,10 +93,15 @@ class RLConfig:
     loss_type: str
     eps_low: float
     eps_high: float
+    ratio_cap: float
+    dual_clip: float
+    top_entropy_frac: float
     beta: float
     kl_estimator: str
     kl_in_reward: bool
+    kl_bias_correction: bool
     adv_scale: str
+    baseline: str
     ppo_epochs: int
     num_minibatches: int
     grad_accum: int
@@ -318,16 +328,29 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
             conversational=rw["conversational"],
         ),
         sampling=SamplingConfig(
-            **{**s, "temperature_schedule": TemperatureSchedule(**s["temperature_schedule"])}
+            **s
+            | {k: _schedule(s[k]) for k in ("temperature_schedule", "position_schedule")}
             | _tuple(s, "repetition_guard")
         ),
-        rl=RLConfig(**d["rl"]),
+        rl=RLConfig(**d["rl"] | {"adv_scale": resolve_adv_scale(d["rl"])}),
         optim=OptimConfig(**d["optim"]),
         mesh=MeshConfig(**d["mesh"]),
         checkpoint=CheckpointConfig(**d["checkpoint"]),
         logging=LoggingConfig(**d["logging"]),
         eval=EvalConfig(**d["eval"]),
     )
+
+
+def resolve_adv_scale(rl: Mapping[str, Any]) -> str:
+    """``rl.adv_scale``, with "auto" resolved to the loss preset's scaling (Dr. GRPO: none)."""
+    if rl["adv_scale"] != "auto":
+        return rl["adv_scale"]
+    return LOSS_PRESETS[rl["loss_type"]].adv_scale
+
+
+def _schedule(section: dict) -> TemperatureSchedule:
+    tuples = _tuple(section, "boundaries") | _tuple(section, "levels")
+    return TemperatureSchedule(**section | tuples)
 
 
 def _tuple(section: dict, key: str) -> dict:

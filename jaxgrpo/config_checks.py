@@ -16,8 +16,11 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxgrpo import presets
-
-LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+from jaxgrpo.models.config import LORA_TARGETS
+from jaxgrpo.rl.advantages import BASELINES, SCALES
+from jaxgrpo.rl.kl import KL_ESTIMATORS
+from jaxgrpo.rl.losses import LOSS_PRESETS
+from jaxgrpo.sampling.schedules import SCHEDULES
 
 
 class ConfigError(ValueError):
@@ -113,13 +116,8 @@ def _check_sampling(cfg: ConfigDict) -> None:
     _require(s.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1", s.max_new_tokens)
     greedy = "must be > 0: greedy samples of a group are identical, so every advantage is 0"
     _require(s.temperature > 0, "sampling.temperature", greedy, s.temperature)
-    sched = s.temperature_schedule
-    kinds = ("constant", "linear", "cosine", "exponential")
-    key = "sampling.temperature_schedule.kind"
-    _require(sched.kind in kinds, key, f"must be one of {list(kinds)}", sched.kind)
-    if sched.kind != "constant":
-        _require(sched.end > 0, "sampling.temperature_schedule.end", greedy, sched.end)
-    _require(sched.steps >= 0, "sampling.temperature_schedule.steps", "must be >= 0", sched.steps)
+    for name in ("temperature_schedule", "position_schedule"):
+        _check_schedule(s[name], f"sampling.{name}", greedy)
     _require(0 < s.top_p <= 1, "sampling.top_p", "must be in (0, 1]", s.top_p)
     _require(s.top_k >= 0, "sampling.top_k", "must be >= 0", s.top_k)
     _require(0 <= s.min_p < 1, "sampling.min_p", "must be in [0, 1)", s.min_p)
@@ -129,17 +127,39 @@ def _check_sampling(cfg: ConfigDict) -> None:
     _require(ok, "sampling.repetition_guard", "(n, k) ints, n = 0 off, else k >= 2", guard)
 
 
+def _check_schedule(sched: ConfigDict, key: str, greedy: str) -> None:
+    """A ``configs/base._schedule`` section: a known kind with positive values."""
+    kinds = list(SCHEDULES)
+    _require(sched.kind in kinds, f"{key}.kind", f"must be one of {kinds}", sched.kind)
+    _require(sched.steps >= 0, f"{key}.steps", "must be >= 0", sched.steps)
+    if sched.kind == "piecewise":
+        levels, bounds = list(sched.levels), list(sched.boundaries)
+        msg = "needs len(levels) == len(boundaries) + 1"
+        _require(len(levels) == len(bounds) + 1, f"{key}.levels", msg, tuple(levels))
+        _require(all(v > 0 for v in levels), f"{key}.levels", greedy, tuple(levels))
+        ok = bounds == sorted(set(bounds)) and all(isinstance(b, int) for b in bounds)
+        _require(ok, f"{key}.boundaries", "must be increasing integers", tuple(bounds))
+    elif sched.kind != "constant":
+        _require(sched.end > 0, f"{key}.end", greedy, sched.end)
+
+
 def _check_rl(cfg: ConfigDict) -> None:
     r = cfg.rl
     for key in ("prompts_per_step", "ppo_epochs", "num_minibatches", "grad_accum"):
         _require(r[key] >= 1, f"rl.{key}", "must be >= 1", r[key])
     msg = "must be >= 2 (advantages compare samples within a group)"
     _require(r.group_size >= 2, "rl.group_size", msg, r.group_size)
-    _one_of(cfg, "rl.loss_type", ("grpo", "dapo", "dr_grpo", "gr_reinforce"))
-    _one_of(cfg, "rl.kl_estimator", ("k1", "k2", "k3"))
-    _one_of(cfg, "rl.adv_scale", ("group", "batch", "none"))
+    _one_of(cfg, "rl.loss_type", tuple(LOSS_PRESETS))
+    _one_of(cfg, "rl.kl_estimator", KL_ESTIMATORS)
+    _one_of(cfg, "rl.adv_scale", ("auto", *SCALES))
+    _one_of(cfg, "rl.baseline", BASELINES)
     _require(0 <= r.eps_low < 1, "rl.eps_low", "must be in [0, 1)", r.eps_low)
     _require(r.eps_high >= 0, "rl.eps_high", "must be >= 0", r.eps_high)
+    cap = "must be 0 (off) or > 1 + rl.eps_high (a cap inside the clip range clips twice)"
+    _require(r.ratio_cap == 0 or r.ratio_cap > 1 + r.eps_high, "rl.ratio_cap", cap, r.ratio_cap)
+    _require(r.dual_clip == 0 or r.dual_clip > 1, "rl.dual_clip", "must be 0 or > 1", r.dual_clip)
+    frac = r.top_entropy_frac
+    _require(0 <= frac <= 1, "rl.top_entropy_frac", "must be in [0, 1] (0 = every token)", frac)
     tis = "must be 0 (off) or >= 1 (a cap below 1 would shrink every on-policy token)"
     _require(r.tis_cap == 0 or r.tis_cap >= 1, "rl.tis_cap", tis, r.tis_cap)
     for key in ("beta", "entropy_coef", "ref_reset_every"):
@@ -187,6 +207,7 @@ def _check_eval(cfg: ConfigDict) -> None:
     e = cfg.eval
     for key in ("num_samples", "max_new_tokens", "batch_size"):
         _require(e[key] >= 1, f"eval.{key}", "must be >= 1", e[key])
+    _require(e.every >= 0, "eval.every", "must be >= 0 (0 = before and after training)", e.every)
     _require(e.temperature >= 0, "eval.temperature", "must be >= 0 (0 = greedy)", e.temperature)
     _require(0 < e.top_p <= 1, "eval.top_p", "must be in (0, 1]", e.top_p)
     try:

@@ -192,7 +192,9 @@ class MetricsLogger:
         if not self.active:
             return
         for sample in samples:
-            row = {"step": int(step), **{k: _jsonable(v) for k, v in sample.items()}}
+            # The logger's step (completed steps, as in metrics.jsonl) wins over the sample's
+            # own: a resumed run truncates both files by it.
+            row = {**{k: _jsonable(v) for k, v in sample.items()}, "step": int(step)}
             self._samples_file.write(json.dumps(row) + "\n")
         self._samples_file.flush()
 

@@ -33,6 +33,16 @@ def use_cpu_xla_flags() -> None:
         os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
 
 
+FAULT_ENV = "JAXGRPO_FAULT"
+
+
+def fault_point(name: str, step: int) -> None:
+    """Kills this process (SIGKILL) at ``name`` of step ``step`` when ``$JAXGRPO_FAULT`` is
+    ``name:step``: fault injection for the tests of what a killed run leaves behind."""
+    if os.environ.get(FAULT_ENV) == f"{name}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 class MissingExtra(ImportError):
     """An optional package is missing; the message names the ``pip install`` that brings it."""
 

@@ -48,6 +48,7 @@ from jaxgrpo.runtime import (
     RunFiles,
     StopRequest,
     enable_compilation_cache,
+    fault_point,
     keep_freed_memory,
     quiet_libraries,
     use_cpu_xla_flags,
@@ -225,10 +226,12 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
                 check_dead_run(step, metrics)
                 if held_out.due(step):
                     metrics.update(held_out(state, step))
-                # Checkpoint before logging: once a step's metrics line exists, so does its
-                # checkpoint (when due), which is what a watcher killing the run relies on.
-                saved = ckpt.save(step, state, _meta(cfg, step, data))
+                # Rows before the checkpoint: a run killed between the two resumes from the
+                # previous checkpoint, whose later rows the logger drops and the rerun writes
+                # again, so every step up to the last checkpoint is logged exactly once.
                 _record(cfg, logger, bar, step, metrics, samples)
+                fault_point("logged", step)
+                saved = ckpt.save(step, state, _meta(cfg, step, data))
                 if saved:
                     files.upload()
     finally:

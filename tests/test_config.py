@@ -21,7 +21,8 @@ def test_every_shipped_config_validates(name):
 
 def test_expected_configs_ship_and_every_base_field_has_a_comment():
     expected = {"base", "format_copy", "tiny", "gsm8k_hard", "gsm8k_perplexity", "gsm8k_embedding"}
-    expected |= {"gsm8k_embedding_bleu", "gsm8k_hard_soft", "gsm8k_curriculum", "sonnets"}
+    expected |= {"gsm8k_embedding_bleu", "gsm8k_hard_soft", "gsm8k_curriculum", "gsm8k_anneal"}
+    expected |= {"sonnets"}
     assert expected <= set(shipped_configs())
     with open(base.__file__, encoding="utf-8") as f:
         lines = f.read().splitlines()
@@ -69,6 +70,32 @@ BAD_OVERRIDES = [
     ({"eval.judge_prompt": "Is {question} answered?"}, "eval.judge_prompt"),  # no {completion}
     ({"eval.judge_prompt": "{completion} {solution}"}, "eval.judge_prompt"),  # unknown field
     ({"eval.judge_prompt": "{completion"}, "eval.judge_prompt"),  # unmatched brace
+    ({"eval.every": -1}, "eval.every"),
+    ({"rl.ratio_cap": 1.1}, "rl.ratio_cap"),  # inside the clip range 1 + eps_high = 1.2
+    ({"rl.dual_clip": 0.5}, "rl.dual_clip"),
+    ({"rl.top_entropy_frac": 1.5}, "rl.top_entropy_frac"),
+    ({"rl.baseline": "median"}, "rl.baseline"),
+    ({"rl.adv_scale": "std"}, "rl.adv_scale"),
+    (
+        {
+            "sampling.temperature_schedule.kind": "piecewise",
+            "sampling.temperature_schedule.boundaries": (2, 4),
+            "sampling.temperature_schedule.levels": (1.0, 0.5),
+        },
+        "sampling.temperature_schedule.levels",
+    ),
+    (
+        {
+            "sampling.position_schedule.kind": "piecewise",
+            "sampling.position_schedule.boundaries": (4, 2),
+            "sampling.position_schedule.levels": (1.0, 0.9, 0.8),
+        },
+        "sampling.position_schedule.boundaries",
+    ),
+    (
+        {"sampling.position_schedule.kind": "cosine", "sampling.position_schedule.end": 0.0},
+        "sampling.position_schedule.end",
+    ),
 ]
 
 
@@ -142,3 +169,41 @@ def test_train_config_is_frozen_and_typed():
     assert cfg.mesh.shape() == {"data": 1, "fsdp": -1, "tensor": 1}
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.rl.beta = 0.0
+
+
+def test_every_loss_preset_and_objective_option_is_reachable():
+    """Every loss type the loss module owns validates, and a preset brings its advantage
+    scaling unless the config names one."""
+    from jaxgrpo.rl.losses import LOSS_PRESETS
+
+    for loss_type in LOSS_PRESETS:
+        cfg = load_config("tiny", {"rl.loss_type": loss_type})
+        assert cfg.rl.loss_type == loss_type
+        assert cfg.rl.adv_scale == ("none" if loss_type == "dr_grpo" else "group"), loss_type
+    explicit = load_config("tiny", {"rl.loss_type": "dr_grpo", "rl.adv_scale": "group"})
+    assert explicit.rl.adv_scale == "group"
+    options = {
+        "rl.ratio_cap": 2.0,
+        "rl.dual_clip": 3.0,
+        "rl.top_entropy_frac": 0.2,
+        "rl.baseline": "rloo",
+        "rl.kl_bias_correction": True,
+    }
+    rl = load_config("tiny", options).rl
+    assert (rl.ratio_cap, rl.dual_clip, rl.top_entropy_frac) == (2.0, 3.0, 0.2)
+    assert rl.baseline == "rloo" and rl.kl_bias_correction
+
+
+def test_piecewise_and_position_schedules_load():
+    cfg = load_config(
+        "tiny",
+        {
+            "sampling.temperature_schedule.kind": "piecewise",
+            "sampling.temperature_schedule.boundaries": (2, 4),
+            "sampling.temperature_schedule.levels": (1.2, 1.0, 0.7),
+            "sampling.position_schedule.kind": "linear",
+            "sampling.position_schedule.end": 0.5,
+        },
+    )
+    assert cfg.sampling.temperature_schedule.levels == (1.2, 1.0, 0.7)
+    assert cfg.sampling.position_schedule.kind == "linear"

@@ -44,14 +44,23 @@ def _rewards() -> ConfigDict:
     return c
 
 
+def _schedule() -> ConfigDict:
+    c = ConfigDict()
+    c.kind = "constant"  # "constant", "linear", "cosine", "exponential" or "piecewise"
+    c.end = 1.0  # value reached after `steps` (smooth kinds)
+    c.steps = 0  # length in steps (positions); 0 = the run's steps (max_new_tokens)
+    c.boundaries = ()  # piecewise: increasing steps (or positions) where the value changes
+    c.levels = ()  # piecewise: len(boundaries) + 1 values; levels[i] from boundaries[i - 1] on
+    return c
+
+
 def _sampling() -> ConfigDict:
     c = ConfigDict()
     c.max_new_tokens = 64  # completion length T (a completion that reaches it is "truncated")
     c.temperature = 1.0  # sampling temperature at step 0 (> 0: groups need distinct samples)
-    c.temperature_schedule = ConfigDict()  # temperature as a function of the training step
-    c.temperature_schedule.kind = "constant"  # "constant", "linear", "cosine" or "exponential"
-    c.temperature_schedule.end = 1.0  # temperature reached at the end of the schedule
-    c.temperature_schedule.steps = 0  # schedule length in training steps; 0 = run length (steps)
+    c.temperature_schedule = _schedule()  # temperature over training steps, from `temperature`
+    # multiplier of the step's temperature over completion positions (1.0 at position 0)
+    c.position_schedule = _schedule()
     c.top_p = 1.0  # nucleus sampling mass; 1.0 = off
     c.top_k = 0  # keep the k most likely tokens; 0 = off (static: changing it recompiles)
     c.min_p = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
@@ -63,13 +72,22 @@ def _rl() -> ConfigDict:
     c = ConfigDict()
     c.prompts_per_step = 4  # B: prompts drawn per training step
     c.group_size = 8  # G: completions sampled per prompt (the batch is B*G sequences)
-    c.loss_type = "grpo"  # "grpo", "dapo", "dr_grpo" or "gr_reinforce" (see rl/losses.py)
+    c.loss_type = "grpo"  # "grpo", "dapo", "dr_grpo", "gr_reinforce" or "gspo" (rl/losses.py)
     c.eps_low = 0.2  # clip ratio below at 1 - eps_low
     c.eps_high = 0.2  # clip ratio above at 1 + eps_high (> eps_low = DAPO clip-higher)
+    c.ratio_cap = 0.0  # cap on the unclipped ratio, min(r, ratio_cap) (TRL's delta); 0 = off
+    c.dual_clip = 0.0  # c > 1: the loss of A < 0 tokens is at most -c * A (dual-clip PPO); 0 = off
+    c.top_entropy_frac = 0.0  # policy gradient on this fraction of highest-entropy tokens; 0 = all
     c.beta = 0.04  # KL(pi || pi_ref) coefficient; 0 skips the reference pass
     c.kl_estimator = "k3"  # per-token KL estimator: "k1", "k2" or "k3"
     c.kl_in_reward = False  # subtract beta * KL from the reward instead of adding it to the loss
-    c.adv_scale = "group"  # advantage scaling: "group" std (GRPO), "batch" std, "none" (Dr. GRPO)
+    # multiply the per-token KL by the importance ratio (TRL's use_bias_correction_kl, on by
+    # default in TRL 1.16; it changes the KL gradient even on-policy, where the ratio is 1)
+    c.kl_bias_correction = False
+    # advantage scaling: "group" std (GRPO), "batch" std, "none", or "auto": the loss preset's
+    # ("none" for dr_grpo, "group" for the others)
+    c.adv_scale = "auto"
+    c.baseline = "mean"  # advantage baseline: "mean" of the group, or "rloo" (leave-one-out)
     c.ppo_epochs = 1  # optimisation passes over each sampled batch
     c.num_minibatches = 1  # optimizer updates per epoch (the batch is split into this many)
     c.grad_accum = 1  # micro-batches accumulated per optimizer update (exact global normaliser)

@@ -25,6 +25,11 @@ at 4x the target: ``<answer>N</answer>`` + endless XML, every completion truncat
 (plateau ~0.8). With all three: plain-prompt training accuracy (temperature 1) 0/32 up to step
 8, 9/32 at step 10, 24/32 at 11, 25/32 at 12, 29/32 at 13, 91% of the batch at 14; ~20-35 s
 per step on the shared CPU.
+
+Temperature annealing is one override away: ``--config.sampling.temperature_schedule.kind=cosine
+--config.sampling.temperature_schedule.end=0.7`` lowers the sampling temperature from 1.0 to 0.7
+over the run (``piecewise`` with ``boundaries``/``levels`` for steps, ``position_schedule`` for
+a multiplier over the completion's positions; see configs/base.py).
 """
 
 from jaxgrpo.configs import base

@@ -43,8 +43,7 @@ from jaxgrpo.rl.train_state import (
     make_update_fn,
     opt_state_shardings,
 )
-from jaxgrpo.sampling import generate_from_state
-from jaxgrpo.sampling import make_schedule as temperature_schedule
+from jaxgrpo.sampling import generate_from_state, schedules
 
 Draw = Callable[[int], Sequence[dict]]
 
@@ -94,6 +93,10 @@ class Learner:
             eps_high=self.rl.eps_high,
             beta=0.0 if self.rl.kl_in_reward else self.rl.beta,
             kl_estimator=self.rl.kl_estimator,
+            kl_bias_correction=self.rl.kl_bias_correction,
+            ratio_cap=self.rl.ratio_cap or None,
+            dual_clip=self.rl.dual_clip or None,
+            top_entropy_frac=self.rl.top_entropy_frac or None,
             entropy_coef=self.rl.entropy_coef,
             tis_cap=self.rl.tis_cap,
             use_old_logp=self.old_from != "none",
@@ -117,12 +120,22 @@ class Learner:
         exact = self.model_cfg.dtype == "float32" and self.rl.tis_cap <= 0
         return "sampler" if exact else "forward"
 
-    def _make_temperature(self) -> Callable[[int], float]:
-        s, t0 = self.cfg.sampling.temperature_schedule, self.cfg.sampling.temperature
-        if s.kind == "constant":
-            return lambda step: float(t0)
-        fn = temperature_schedule(s.kind, init=t0, end=s.end, steps=s.steps or self.cfg.steps)
-        return lambda step: float(fn(step))
+    def _make_temperature(self) -> Callable[[int], float | np.ndarray]:
+        """Step -> the rollout's temperature: a float, or float32 [T] with a position schedule."""
+        sp = self.cfg.sampling
+        s, p, t = sp.temperature_schedule, sp.position_schedule, sp.max_new_tokens
+        per_step = schedules.build(
+            s.kind, init=sp.temperature, end=s.end, steps=s.steps or self.cfg.steps,
+            boundaries=s.boundaries, values=s.levels,
+        )  # fmt: skip
+        self.step_temperature = lambda step: float(per_step(step))
+        if p.kind == "constant":
+            return self.step_temperature
+        per_position = schedules.build(
+            p.kind, init=1.0, end=p.end, steps=p.steps or t, boundaries=p.boundaries,
+            values=p.levels,
+        )  # fmt: skip
+        return lambda step: np.asarray(schedules.temperatures(step, t, per_step, per_position))
 
     def _state_shardings(self, with_ref: bool) -> TrainState:
         r = self.replicated
@@ -231,7 +244,7 @@ class Learner:
         metrics.update(
             draws=float(draws),
             lr=float(self.schedule(step * self.updates_per_step)),
-            temperature=self._temperature(step),
+            temperature=self.step_temperature(step),
             skipped_updates=float(ro.to_host(state.skipped)),
         )
         metrics["time/step_learner"] = time.perf_counter() - t_start
@@ -376,7 +389,9 @@ class Learner:
             kl_NT = np.where(mask > 0, behaviour - ro.to_host(ref_logp), 0.0)
             extra["kl_in_reward"] = kl_NT.sum(-1)
             rewards = rewards - self.rl.beta * extra["kl_in_reward"]
-        adv, adv_metrics = step_metrics.advantages(rewards, self.rl.group_size, self.rl.adv_scale)
+        adv, adv_metrics = step_metrics.advantages(
+            rewards, self.rl.group_size, self.rl.adv_scale, self.rl.baseline
+        )
         extra.update(advantages=adv, adv_metrics=adv_metrics, loss_mask=loss_mask)
         batch = ro.RolloutBatch(
             prompt_ids=inputs[0],

@@ -57,10 +57,12 @@ class Timer:
         self.tokens += n
 
 
-def advantages(rewards: np.ndarray, group_size: int, scale: str) -> tuple[np.ndarray, dict]:
+def advantages(
+    rewards: np.ndarray, group_size: int, scale: str, baseline: str = "mean"
+) -> tuple[np.ndarray, dict]:
     """Group advantages (jaxgrpo.rl.advantages) as numpy, plus their summary statistics."""
     adv, m = group_advantages(
-        np.asarray(rewards, np.float32), group_size, scale, return_metrics=True
+        np.asarray(rewards, np.float32), group_size, scale, baseline=baseline, return_metrics=True
     )
     adv = np.asarray(adv, np.float32)
     metrics = {
