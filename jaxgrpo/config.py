@@ -9,6 +9,7 @@ CLI boundary sees a ConfigDict.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib.util
 import os
@@ -264,9 +265,40 @@ def load_config_dict(name: str) -> ConfigDict:
     return module.get_config(arg) if arg else module.get_config()
 
 
+TASK_KWARGS = "task.kwargs."
+
+
+def set_task_kwargs(cfg: ConfigDict, kwargs: Mapping[str, Any]) -> None:
+    """Sets the task's own keyword arguments (``task.kwargs.<name>``) on a locked ConfigDict.
+
+    ``task.kwargs`` is free-form (its keys are the task's dataclass fields, which ``validate``
+    checks), so these keys may be new; string values are read as Python literals when they
+    parse as one (``3``, ``True``, ``(1, 2)``) and kept as strings otherwise.
+    """
+    with cfg.unlocked():
+        for name, value in kwargs.items():
+            cfg.task.kwargs[name] = _literal(value) if isinstance(value, str) else value
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
 def apply_overrides(cfg: ConfigDict, overrides: Mapping[str, Any]) -> None:
-    """Sets dotted keys (``{"rl.beta": 0.0}``) on a locked ConfigDict; errors name the key."""
+    """Sets dotted keys (``{"rl.beta": 0.0}``) on a locked ConfigDict; errors name the key.
+
+    ``task.kwargs.<name>`` keys go to ``set_task_kwargs`` (they may be new).
+    """
+    task_kwargs = {
+        k[len(TASK_KWARGS) :]: v for k, v in overrides.items() if k.startswith(TASK_KWARGS)
+    }
+    set_task_kwargs(cfg, task_kwargs)
     for key, value in overrides.items():
+        if key.startswith(TASK_KWARGS):
+            continue
         node, _, leaf = key.rpartition(".")
         parent = cfg
         for part in filter(None, node.split(".")):

@@ -7,6 +7,7 @@ its default values give each key's type.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import string
@@ -16,14 +17,16 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxgrpo import presets
+from jaxgrpo.data import TASKS
 from jaxgrpo.models.config import LORA_TARGETS
 from jaxgrpo.rl.advantages import BASELINES, SCALES
 from jaxgrpo.rl.kl import KL_ESTIMATORS
 from jaxgrpo.rl.losses import LOSS_PRESETS
+from jaxgrpo.runtime import UserError
 from jaxgrpo.sampling.schedules import SCHEDULES
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config problem, with the offending key in the message."""
 
 
@@ -125,6 +128,16 @@ def _check_sampling(cfg: ConfigDict) -> None:
     ok = len(guard) == 2 and all(isinstance(g, int) and g >= 0 for g in guard)
     ok = ok and (guard[0] == 0 or guard[1] >= 2)
     _require(ok, "sampling.repetition_guard", "(n, k) ints, n = 0 off, else k >= 2", guard)
+
+
+def _check_task(task: ConfigDict) -> None:
+    """A known task, and keyword arguments that are fields of its dataclass."""
+    _require(task.name in TASKS, "task.name", f"unknown task; known: {sorted(TASKS)}", task.name)
+    fields = {f.name for f in dataclasses.fields(TASKS[task.name]) if f.init}
+    for name in task.kwargs.keys():
+        options = ", ".join(sorted(fields))
+        msg = f"task {task.name!r} has no option {name!r}; its options: {options}"
+        _require(name in fields, f"task.kwargs.{name}", msg, task.kwargs[name])
 
 
 def _check_schedule(sched: ConfigDict, key: str, greedy: str) -> None:
@@ -273,6 +286,7 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     bad = [t for t in cfg.model.lora_targets if t not in LORA_TARGETS]
     _require(not bad, "model.lora_targets", f"unknown {bad}; choose from {LORA_TARGETS}", bad)
     _require(cfg.task.num_eval >= 0, "task.num_eval", "must be >= 0", cfg.task.num_eval)
+    _check_task(cfg.task)
     _check_rewards(cfg)
     _check_sampling(cfg)
     _check_rl(cfg)

@@ -368,7 +368,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: evaluate, write the JSON and Markdown (process 0), print the table."""
     from jaxgrpo.runtime import (
-        MissingExtra,
+        UserError,
         enable_compilation_cache,
         keep_freed_memory,
         quiet_libraries,
@@ -380,14 +380,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_libraries()
     import jax
 
-    from jaxgrpo.config import ConfigError
-
     enable_compilation_cache()
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         results, settings = evaluate_runs(args)
-    except (ConfigError, FileNotFoundError, ValueError, MissingExtra) as e:
+    except (UserError, OSError, ValueError) as e:  # what the code understood: one line
         print(f"error: {e}", file=sys.stderr)
         return 2
     if jax.process_index() == 0:

@@ -29,10 +29,10 @@ from etils import epath
 from jaxgrpo import config as config_lib
 from jaxgrpo import sharding
 from jaxgrpo.checkpoint import Checkpointer
-from jaxgrpo.config import ConfigError
 from jaxgrpo.evaluate import load_policy, restore_params, run_config
 from jaxgrpo.models.export import export_hf, export_peft
 from jaxgrpo.runtime import (
+    UserError,
     enable_compilation_cache,
     keep_freed_memory,
     quiet_libraries,
@@ -43,7 +43,7 @@ from jaxgrpo.runtime import (
 _NON_HF_SOURCES = ("tiny", "smollm2")
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """A mistake in the command line or the run directory, reported as one line."""
 
 
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         path, step, cfg = export_run(
             run_dir, args.out_dir, peft=args.peft, step=args.step, dtype=args.dtype
         )
-    except (ExportError, ConfigError, OSError) as e:
+    except (UserError, OSError) as e:  # ExportError, ConfigError, a malformed run directory
         print(f"error: {e}", file=sys.stderr)
         return 2
     what = "LoRA adapters (PEFT layout)" if args.peft else "merged Hugging Face model"

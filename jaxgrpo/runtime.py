@@ -6,10 +6,13 @@ Kept apart from ``train.py`` so the loop there reads as the sequence of steps it
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
 import sys
+import tempfile
+import traceback
 from typing import Any
 
 import numpy as np
@@ -33,6 +36,26 @@ def use_cpu_xla_flags() -> None:
         os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
 
 
+class UserError(Exception):
+    """An error the code understood, whose message names what is wrong (a config key, a file, a
+    data row, a reward function, a missing package): the CLIs print it as one line."""
+
+
+ERROR_LOG = os.path.join(tempfile.gettempdir(), "jaxgrpo-last-error.log")
+
+
+@contextlib.contextmanager
+def one_line_errors():
+    """Turns a ``UserError`` or ``OSError`` raised inside into ``error: <message>`` and exit
+    status 1; the traceback goes to ``ERROR_LOG`` (the line names it) for whoever needs it."""
+    try:
+        yield
+    except (UserError, OSError) as e:
+        with open(ERROR_LOG, "w", encoding="utf-8") as f:
+            traceback.print_exc(file=f)
+        sys.exit(f"error: {e} (traceback: {ERROR_LOG})")
+
+
 FAULT_ENV = "JAXGRPO_FAULT"
 
 
@@ -43,7 +66,7 @@ def fault_point(name: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class MissingExtra(ImportError):
+class MissingExtra(UserError, ImportError):
     """An optional package is missing; the message names the ``pip install`` that brings it."""
 
     def __init__(self, package: str, extra: str, needed_for: str):

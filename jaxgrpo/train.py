@@ -41,15 +41,14 @@ from jaxgrpo.logging import (
     run_summary,
     warn_once,
 )
-from jaxgrpo.rewards.combine import RewardError
 from jaxgrpo.runtime import (
     DataStream,
-    MissingExtra,
     RunFiles,
     StopRequest,
     enable_compilation_cache,
     fault_point,
     keep_freed_memory,
+    one_line_errors,
     quiet_libraries,
     use_cpu_xla_flags,
 )
@@ -436,13 +435,39 @@ def resolve_argv(argv: Sequence[str]) -> list[str]:
     cfg = config_lib.load_config_dict(path)
     for arg in argv:
         match = re.match(r"--?(?:no)?config\.([^=]+)", arg)
-        if match:
+        if match and not match.group(1).startswith(config_lib.TASK_KWARGS):
             parent, key = cfg, match.group(1)
             for part in key.split("."):
                 if not hasattr(parent, "keys") or part not in parent:
                     raise unknown_key_error(key, parent, part)
                 parent = parent[part]
     return argv
+
+
+def split_task_kwargs(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Takes ``--config.task.kwargs.<name>=<value>`` (or ``... <value>``) out of ``argv``.
+
+    The task's own arguments are not keys of the locked config file, so absl would reject
+    them; ``main`` sets them after parsing (``config.set_task_kwargs``) and validation checks
+    them against the task's fields.
+
+    Returns:
+      (the other arguments, ``{name: value text}``).
+    """
+    rest, kwargs, args = [], {}, list(argv)
+    prefix = re.compile(r"--?config\." + re.escape(config_lib.TASK_KWARGS) + r"(\w+)(=(.*))?$")
+    while args:
+        arg = args.pop(0)
+        match = prefix.match(arg)
+        if not match:
+            rest.append(arg)
+        elif match.group(2) is not None:
+            kwargs[match.group(1)] = match.group(3)
+        elif args:
+            kwargs[match.group(1)] = args.pop(0)
+        else:
+            raise ConfigError(f"{arg} needs a value")
+    return rest, kwargs
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -457,6 +482,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     enable_compilation_cache()
     argv = list(sys.argv if argv is None else argv)
     try:
+        argv, task_kwargs = split_task_kwargs(argv)
         argv = resolve_argv(argv)
     except ConfigError as e:
         sys.exit(f"error: {e}")
@@ -469,15 +495,14 @@ def main(argv: Sequence[str] | None = None) -> None:
             # orbax logs every save at INFO; keep the console to the progress bar and warnings.
             absl_logging.set_verbosity(absl_logging.WARNING)
         try:
+            config_lib.set_task_kwargs(flag.value, task_kwargs)
             cfg = config_lib.to_train_config(flag.value)
         except ConfigError as e:
             sys.exit(f"error: {e}")
-        try:
+        # Bad input found while running (a missing file, a malformed data row, a missing
+        # optional package, a reward that fails every sample): one line, no traceback.
+        with one_line_errors():
             run(cfg)
-        except (ConfigError, OSError, MissingExtra, RewardError) as e:
-            # Bad input (config, missing file, unreachable hub id, a missing optional package,
-            # a reward function that fails every sample): one clear line, no traceback.
-            sys.exit(f"error: {e}")
 
     def _parse(args):
         try:

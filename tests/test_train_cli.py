@@ -269,3 +269,30 @@ def test_a_run_killed_between_its_rows_and_its_checkpoint_logs_every_step_once(t
             return [json.loads(line) for line in f]
 
     assert samples(tmp_path / "killed") == samples(tmp_path / "full")
+
+
+def test_task_arguments_from_the_command_line_and_bad_data_in_one_line(tmp_path):
+    """--config.task.kwargs.<field> points a shipped config at local data; a field the task does
+    not have, and a malformed data row, are each one line naming what is wrong."""
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(f'{{"prompt": "Say {i}", "answer": "{i}"}}\n' for i in range(8)))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "Say 1", "answer": "1"}\n{"answer": "2"}\n')
+    base = ["--config", "tiny", "--config.task.name=jsonl", "--config.steps=0"]
+    typo = _cli([*base, "--config.task.kwargs.sourcee=x.jsonl"], tmp_path)
+    assert typo.returncode != 0 and "config key 'task.kwargs.sourcee'" in typo.stderr
+    assert "its options:" in typo.stderr and "Traceback" not in typo.stderr, typo.stderr
+    broken = _cli(
+        [*base, f"--config.run_dir={tmp_path / 'b'}", "--config.task.kwargs.source", str(bad)],
+        tmp_path,
+    )
+    assert broken.returncode != 0 and "Traceback" not in broken.stderr, broken.stderr
+    error = [line for line in broken.stderr.splitlines() if line.startswith("error: ")]
+    assert len(error) == 1 and f"{bad}: row 2: missing field 'prompt'" in error[0], broken.stderr
+    ok = _cli(
+        [*base, f"--config.run_dir={tmp_path / 'g'}", f"--config.task.kwargs.source={good}"],
+        tmp_path,
+    )
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    with open(tmp_path / "g" / "config.json", encoding="utf-8") as f:
+        assert json.load(f)["task"]["kwargs"] == {"source": str(good)}

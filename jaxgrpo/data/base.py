@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
-from jaxgrpo.runtime import require
+from jaxgrpo.runtime import UserError, require
 
 Example = dict[str, Any]
 Message = dict[str, str]
@@ -50,7 +50,7 @@ _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 FIXTURE_DIR = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
-class MalformedRowError(ValueError):
+class MalformedRowError(UserError, ValueError):
     """A data row lacks a field or cannot be parsed; the message names file, row and field."""
 
 

@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxgrpo.rewards.bleu import bleu
 from jaxgrpo.rewards.math import exact_answer
+from jaxgrpo.runtime import UserError
 
 RewardFn = Callable[..., list]
 _LOG = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ def hard_soft(
     return _mix([(hard_weight, hard), (1.0 - hard_weight, soft)])
 
 
-class RewardError(ValueError):
+class RewardError(UserError, ValueError):
     """A reward function cannot score a run: it fails every sample, step after step, or
     returns the wrong number of values. The message names the function and a failing sample."""
 

@@ -172,7 +172,8 @@ def eval_metrics(
     """Strict/lenient accuracy and format rate (``jaxgrpo.rl.accuracy``), reward and length of
     one completion per example."""
     columns = columns_for(examples, 1)
-    total, per_fn, _ = reward_set(prompts, completions, columns, 0)
+    scored = {**columns, "completion_lengths": [int(n) for n in lengths]}  # length_penalty
+    total, per_fn, _ = reward_set(prompts, completions, scored, 0)
     m = {
         "num_examples": float(len(examples)),
         "reward_mean": _mean(np.nan_to_num(np.asarray(total, np.float64))),
