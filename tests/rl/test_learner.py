@@ -377,3 +377,56 @@ def test_batch_widths_only_grow_so_programs_compile_a_bounded_number_of_times():
         for examples in batches:
             state, _, _ = learner.step(state, examples)
     assert len(compiles) == 0, f"{len(compiles)} programs compiled after the widths settled"
+
+
+def make_full_learner(mesh_shape, devices, **overrides):
+    """`make_learner` for full fine-tuning: `model.lora_rank=0`, so the model has no adapters
+    (`tiny_model(None)`, as `jaxgrpo.train.build_model` does) and every weight trains."""
+    cfg = load_config("tiny.py", {"run_dir": "/tmp/unused", "mesh.data": 1, **overrides})
+    assert cfg.model.lora_rank == 0
+    mesh = sharding.make_mesh(mesh_shape, devices=devices)
+    model, tokenizer = tiny_model(None, seed=cfg.seed, mesh=mesh)
+    task = get_task("format_copy")
+    return Learner(cfg, model, tokenizer, task, RewardSet([(text_reward, 1.0)]), mesh), task
+
+
+@pytest.mark.slow  # 60 s alone, 110 s on a busy 2-core CPU: two learners compile
+def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
+    """`model.lora_rank=0` through `Learner.step`: every parameter is trainable and moves, the
+    KL reference (rl.beta > 0) is a frozen copy of the initial weights, not the trained ones,
+    and one step on 8 devices (data=2, fsdp=2, tensor=2) equals the step on one device."""
+    full = {"model.lora_rank": 0, "rl.beta": 0.04}
+    learner, task = make_full_learner({"data": 1}, jax.devices()[:1], **full)
+    assert not learner.lora and learner.needs_ref
+    assert learner.n_trainable == learner.n_params, "full fine-tuning trains every weight"
+    examples = list(task.train_examples(0))[:2]
+    state = learner.init_state()
+    p0 = host_params(state)
+    state, metrics, _ = learner.step(state, examples)
+    assert metrics["reward/std"] > 0 and metrics["grad_norm"] > 0
+    p1 = host_params(state)
+    ref = [to_host(x) for x in jax.tree.leaves(state.ref_params)]
+    assert len(p1) == len(p0) == len(ref)
+    moved = [float(np.abs(a - b).max()) for a, b in zip(p1, p0, strict=True)]
+    assert min(moved) > 0, f"every weight must move under full fine-tuning; max |delta|: {moved}"
+    for r, a in zip(ref, p0, strict=True):
+        np.testing.assert_array_equal(r, a, err_msg="the reference must stay the initial weights")
+    assert max(float(np.abs(r - a).max()) for r, a in zip(ref, p1, strict=True)) > 1e-4
+
+    devices = jax.devices()
+    assert len(devices) == 8, "conftest sets 8 virtual CPU devices"
+    learner8, _ = make_full_learner({"data": 2, "fsdp": 2, "tensor": 2}, devices, **full)
+    state8 = learner8.init_state()
+    state8, metrics8, _ = learner8.step(state8, examples)
+    # Adam's first step moves a weight by lr * g / (|g| + 1e-8): the embedding rows of tokens
+    # absent from the batch have g = 0 exactly on one device and float noise (~1e-10) on 8,
+    # which that division turns into a step of a few percent of lr. Elsewhere steps are ~lr.
+    noise_step = 0.05 * learner.cfg.optim.lr
+    for got, want, init in zip(host_params(state8), p1, p0, strict=True):
+        untouched = want == init
+        np.testing.assert_allclose(got[~untouched], want[~untouched], atol=PARAM_ATOL)
+        assert np.abs(got - want)[untouched].max(initial=0.0) < noise_step
+    for got, want in zip(jax.tree.leaves(state8.ref_params), p0, strict=True):
+        np.testing.assert_array_equal(to_host(got), want)
+    for key in ("reward/mean", "loss", "grad_norm", "entropy"):
+        assert metrics8[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
