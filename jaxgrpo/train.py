@@ -191,11 +191,13 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
       The last step's metrics (with ``eval/*`` after the final step), ``{}`` if nothing ran.
     """
     t_run = time.perf_counter()
+    if parts is None:
+        start_distributed(cfg)  # before anything below starts JAX's backend
+        if jax.process_index() == 0:
+            console(f"building {cfg.model.source} for task {cfg.task.name} ...")
+        parts = build_parts(cfg)
     process = jax.process_index()
     say = console if process == 0 else (lambda *_: None)
-    if parts is None:
-        say(f"building {cfg.model.source} for task {cfg.task.name} ...")
-        parts = build_parts(cfg)
     learner, task = parts["learner"], parts["task"]
     files = RunFiles(cfg.run_dir, process)
     ckpt = Checkpointer(
@@ -375,18 +377,28 @@ def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> li
     return out
 
 
-def build_parts(cfg: TrainConfig) -> dict[str, Any]:
-    """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
+def start_distributed(cfg: TrainConfig) -> None:
+    """JAX's multi-process runtime as ``cfg.mesh`` asks (nothing for one process, or when it
+    runs already). It must come before any JAX call that starts the backend."""
     from jaxgrpo import sharding
-    from jaxgrpo.rewards import RewardSet
-    from jaxgrpo.rl.learner import Learner
 
+    if jax.distributed.is_initialized():
+        return
     m = cfg.mesh
     sharding.initialize_distributed(
         coordinator=m.coordinator_address or None,
         num_processes=m.num_processes or None,
         process_id=m.process_id if m.process_id >= 0 else None,
     )
+
+
+def build_parts(cfg: TrainConfig) -> dict[str, Any]:
+    """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
+    from jaxgrpo import sharding
+    from jaxgrpo.rewards import RewardSet
+    from jaxgrpo.rl.learner import Learner
+
+    start_distributed(cfg)
     shape = config_lib.resolve_mesh_shape(cfg, jax.device_count())
     mesh = sharding.make_mesh(shape)
     # The data first: a missing file, row or package is reported in seconds, not after a load.

@@ -257,13 +257,6 @@ def _assert_logs_written_once(run_dir, last: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    raises=AssertionError,
-    strict=True,
-    reason="jaxgrpo/train.py run() calls jax.process_index() (initialising the backend) before "
-    "build_parts() calls jax.distributed.initialize, so every process of a multi-process CLI "
-    "run stops at start; passes once that order is fixed (then remove this mark)",
-)
 def test_two_process_cli_killed_and_resumed_equals_one_process(tmp_path):
     """`launch/local_multiprocess.sh 2` (one CPU device per process, mesh data=2) trains the
     tiny config with a checkpoint per step; it is SIGKILLed (launcher and both processes) once
