@@ -14,6 +14,7 @@ XLA's cost analysis counts a loop body once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from types import SimpleNamespace
@@ -78,6 +79,7 @@ def model_config(cfg: Any, platform: str) -> ModelConfig:
         param_dtype=m.param_dtype,
         remat=m.remat,
         unroll_layers=unroll,
+        platform=platform,
     )
 
 
@@ -172,6 +174,7 @@ def _compile(name, jitted, args, calls, flops, weight_bytes, loop_trips=1) -> Pr
             raise
         compiled, oom = None, str(e)
     end = time.perf_counter()
+    logging.info("compiled %s in %.1f s (lowered in %.1f s)", name, end - mid, mid - start)
     return Program(
         name, calls, compiled, mid - start, end - mid, *flops, weight_bytes, loop_trips, oom
     )

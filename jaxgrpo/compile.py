@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ TABLE_MODELS = (
     "SmolLM2-135M", "Qwen2.5-1.5B", "Qwen2.5-Math-1.5B-Instruct", "Llama-3.1-8B", "Qwen3-8B"
 )  # fmt: skip
 TABLE_SLICES = ("v5e-8", "v5e-64", "v5p-128", "v6e-64")
+TABLE_ONLY = ("sample", "score", "update")  # the training step (evaluation is not in it)
 
 
 def _set_devices(topology: str) -> None:
@@ -257,6 +259,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prompt_len", type=int, default=256, help="longest prompt (tokens)")
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--table", action="store_true", help="models x slices table")
+    parser.add_argument(
+        "--only", nargs="*", help="program name prefixes: sample, score, update, eval (all)"
+    )
     parser.add_argument("--models", nargs="*", help="--table: architectures (default: the five)")
     parser.add_argument("--slices", nargs="*", help="--table: slices (default: the four)")
     args, rest = parser.parse_known_args(argv)
@@ -264,13 +269,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     _set_devices(args.topology if not args.table else "v5e-8")
+    logging.basicConfig(level=logging.INFO, format="jaxgrpo.compile: %(message)s")
     from jaxgrpo.evaluate import config_override  # imports jax: after _set_devices
 
     overrides = dict(config_override(a) for a in rest)
     if args.table:
         return _table(args, overrides)
     try:
-        rep = compile_config(args.config, args.topology, overrides, args.prompt_len)
+        only = tuple(args.only) if args.only else None
+        rep = compile_config(args.config, args.topology, overrides, args.prompt_len, only)
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -12,6 +12,9 @@ The estimate is arithmetic on the model's shapes, with no model built:
   trainable part when ``beta > 0`` (zero LoRA, or a full copy for full fine-tuning);
 * KV cache of sampling: ``2 * L * rows * (P + T) * K * H`` in the compute dtype, rows =
   ``prompts_per_step * group_size / (data * fsdp)``, K split over ``tensor``;
+* the sampler's weights: the decode program reshards the weights to
+  ``sharding.sampling_rules`` and lays them out per layer, two copies in the compute dtype,
+  split over ``tensor`` only when they fit replicated over data x fsdp (else fsdp-sharded);
 * activations of one micro-batch's update, kept for the backward pass (prefix-shared: the
   prompt once per group, the completions against its repeated cache): per token and layer the
   block's inputs, q/k/v, attention output, MLP hidden and SwiGLU product, plus float32 attention
@@ -20,7 +23,9 @@ The estimate is arithmetic on the model's shapes, with no model built:
 
 Parameters, optimizer state and cache are checked against real arrays by the tests; the
 activations are an order-of-magnitude figure (XLA fuses and reuses buffers), checked against
-XLA's own buffer assignment within a stated factor.
+XLA's own buffer assignment within a stated factor. For the compiler's own per-program figures
+on a real slice, use ``python -m jaxgrpo.compile`` (at gsm8k_hard's size on v5e-64 the update's
+temporaries were about 3x this activation term: it is a lower bound there).
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from jaxgrpo.presets import (
     find_architecture,
     get_preset,
 )
+from jaxgrpo.sharding import SAMPLE_WEIGHT_FRACTION
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 LOGITS_CHUNK = 64  # positions per logits block in rl/logprobs.py
@@ -130,7 +136,10 @@ def fitting_grad_accum(run: RunShape, mesh: dict[str, int]) -> int:
 
 
 def estimate(
-    cfg: ModelConfig, run: RunShape, mesh: dict[str, int] | None = None
+    cfg: ModelConfig,
+    run: RunShape,
+    mesh: dict[str, int] | None = None,
+    hbm_bytes: float | None = None,
 ) -> dict[str, float]:
     """Bytes per device of each part of a step (an even split over the mesh).
 
@@ -138,11 +147,15 @@ def estimate(
       cfg: the model (``cfg.lora`` None = full fine-tuning).
       run: batch layout.
       mesh: ``{"data", "fsdp", "tensor"}`` sizes; None = one device.
+      hbm_bytes: memory per device, which decides the sampler's weight layout
+        (``sharding.sampling_rules``); None = replicated over data x fsdp.
 
     Returns:
       ``params`` (frozen + trainable), ``grads``, ``opt_state``, ``ref_params``, ``kv_cache``,
-      ``activations`` and ``total`` = the first four + max(kv_cache, activations) (sampling
-      and the update do not overlap).
+      ``sample_weights`` (the decode program's copies of the weights: resharded for sampling
+      and laid out per layer, see ``jaxgrpo.sampling.generate``), ``activations`` and
+      ``total`` = the first four + max(kv_cache + sample_weights, activations) (sampling and
+      the update do not overlap).
     """
     mesh = {"data": 1, "fsdp": 1, "tensor": 1, **(mesh or {})}
     shard = mesh["fsdp"] * mesh["tensor"]
@@ -158,9 +171,12 @@ def estimate(
     seq = run.prompt_len + run.new_tokens
     kv_heads = max(1, cfg.num_kv_heads // mesh["tensor"])
     out["kv_cache"] = 2.0 * cfg.num_layers * rows * seq * kv_heads * cfg.head_dim * cb
+    weights = (base_param_count(cfg) + lora) * cb
+    replicated = hbm_bytes is None or weights / mesh["tensor"] <= SAMPLE_WEIGHT_FRACTION * hbm_bytes
+    out["sample_weights"] = weights * (2.0 / mesh["tensor"] if replicated else 1.0 / shard)
     out["activations"] = _activations(cfg, run, rows_split, mesh["tensor"])
     static = out["params"] + out["grads"] + out["opt_state"] + out["ref_params"]
-    out["total"] = static + max(out["kv_cache"], out["activations"])
+    out["total"] = static + max(out["kv_cache"] + out["sample_weights"], out["activations"])
     return out
 
 
@@ -273,7 +289,7 @@ def report(cfg: ModelConfig, run: RunShape, preset: str | None) -> str:
                 f"data x fsdp = {shards} devices: estimated with --config.rl.grad_accum={g}\n\n"
             )
             run = run.with_grad_accum(g)
-    est = estimate(cfg, run, p.mesh if p else None)
+    est = estimate(cfg, run, p.mesh if p else None, p.hbm_bytes if p else None)
     where = f"{p.name} mesh {p.mesh}" if p else "one device"
     lines = [
         f"{note}Memory per device, {where}: {base_param_count(cfg) / 1e9:.3f} B base "
@@ -314,7 +330,7 @@ def fit_table(run: RunShape, presets: Sequence[str], lora_rank: int = 16) -> str
                 if runs[preset].grad_accum == 0:
                     cells.append("-")
                     continue
-                total = estimate(cfg, runs[preset], p.mesh)["total"]
+                total = estimate(cfg, runs[preset], p.mesh, p.hbm_bytes)["total"]
                 mark = "✓" if total <= 0.9 * p.hbm_bytes else "✗"
                 cells.append(f"{total / GIB:.1f} {mark}")
             count = f"{base_param_count(cfg) / 1e9:.2f} B"

@@ -50,14 +50,9 @@ TRAIN_RULES: Rules = (
     ("act_vocab", "tensor"),
 )
 
-# Sampling: weights replicated over fsdp (no all-gather per decode step), tensor-parallel only.
-# The decode layers' [out, in] matrices split their input dimension over tensor (one
-# all-reduce of a few activation rows per projection), which keeps the fused q/k/v and
-# gate/up matrices whole per output row.
-SAMPLE_RULES: Rules = tuple((k, None) if k == "embed" else (k, v) for k, v in TRAIN_RULES) + (
-    ("decode_out", None),
-    ("decode_in", "tensor"),
-)
+# Sampling: weights replicated over fsdp (no all-gather per decode step), tensor-parallel only
+# (the decode layers' matrices are pinned Megatron-style, see `models.decode`).
+SAMPLE_RULES: Rules = tuple((k, None) if k == "embed" else (k, v) for k, v in TRAIN_RULES)
 
 # Fraction of a chip's HBM the sampler may spend on weights replicated over data x fsdp: the
 # decode program holds them twice (the resharded state and the per-layer decode matrices).
@@ -207,6 +202,7 @@ def create_sharded_model(cfg, mesh: Mesh, rules: Rules = TRAIN_RULES, rngs_seed:
     """
     from jaxgrpo.models.transformer import Transformer, random_state
 
+    cfg = cfg.replace(platform=cfg.platform or mesh.devices.flat[0].platform)
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(rngs_seed)))
     graphdef, abstract_state = nnx.split(abstract)
     shardings = param_shardings(abstract_state, mesh, rules)

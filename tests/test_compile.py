@@ -130,13 +130,14 @@ def test_decode_step_on_training_weights_gathers_every_token(monkeypatch):
 
 @needs_libtpu
 def test_tensor_parallel_decode_step_only_reduces():
-    """With tensor=2 the decode matrices split their input over tensor: the loop body's
-    collectives are all-reduces (at least one per projection: 4 per layer), no weight is
-    gathered, and the rest of the step's traffic is the vocabulary-sharded sampling."""
-    over = {"mesh.tensor": 2}
-    rep = compile_cli.compile_config("tiny", "v5e-8", over, only=("sample",))
+    """With tensor=2 the decode matrices are split Megatron-style (q/k/v and gate/up by
+    output rows, o and down by input): a layer's collectives are two all-reduces of a few
+    activation rows, no weight is gathered, and what else moves is the sampling over the
+    vocabulary-sharded logits."""
+    rep = compile_cli.compile_config("tiny", "v5e-8", {"mesh.tensor": 2}, only=("sample",))
     body = _program(rep, "sample/decode")["loop_body_collectives"]
-    assert body.get("all-reduce", {}).get("count", 0) >= 4 * 2, body
+    layers = tiny_model_config().num_layers
+    assert body.get("all-reduce", {}).get("count", 0) >= 2 * layers, body
     weights = tiny_model_config().hidden_size * tiny_model_config().intermediate_size
     gathered = body.get("all-gather", {}).get("bytes", 0)
     assert gathered < weights, body  # activations or logits at most, never a weight matrix
@@ -217,3 +218,23 @@ def test_every_table_slice_is_a_topology():
         assert p.specs.bf16_flops > 0 and p.specs.hbm_bw > 0 and p.specs.ici_bw > 0
     for name in compile_cli.TABLE_MODELS:
         assert name in presets.ARCHITECTURES
+
+
+@pytest.mark.parametrize("slice_name", ["v5e-64", "v5p-128", "v6e-64"])
+def test_every_gsm8k_config_validates_on_64_chip_slices(slice_name):
+    """gsm8k_* configs share gsm8k_hard's model, batch and sampling shape, so gsm8k_hard's
+    compile (``python -m jaxgrpo.compile --config gsm8k_hard --topology SLICE``) is theirs;
+    each must pass the batch layout check on the preset mesh."""
+    from jaxgrpo import config as config_lib
+
+    preset = presets.get_preset(slice_name)
+    mesh = {f"mesh.{k}": v for k, v in preset.mesh.items()}
+    hard = config_lib.load_config("gsm8k_hard", mesh)
+    names = [n for n in config_lib.shipped_configs() if n.startswith("gsm8k_")]
+    assert "gsm8k_hard" in names and len(names) > 1
+    for name in names:
+        cfg = config_lib.load_config(name, mesh)
+        assert config_lib.resolve_mesh_shape(cfg, preset.devices) == preset.mesh
+        for section in ("model", "rl", "mesh"):
+            assert getattr(cfg, section) == getattr(hard, section), (name, section)
+        assert cfg.sampling.max_new_tokens == hard.sampling.max_new_tokens, name

@@ -316,6 +316,7 @@ def load_model(
         lora=_as_lora(lora),
         remat=remat,
         unroll_layers=unroll_layers,
+        platform="" if mesh is None else mesh.devices.flat[0].platform,
     )
     if os.fspath(source).startswith(presets.RANDOM_PREFIX):
         return _random_model(os.fspath(source), fields, mesh, rules, tokenizer, seed)

@@ -80,6 +80,9 @@ class ModelConfig:
             stacked [L, ...] residual and gradient buffers; on XLA:CPU that made a full
             fine-tuning update of SmolLM2-135M about 2 s (~12%) faster. With LoRA it was slower.
         lora: adapters declared at construction, or None.
+        platform: the backend the model is compiled for ("cpu", "tpu", "gpu"), taken from
+            the mesh's devices; "" = `jax.default_backend()` when traced. Selects the
+            XLA:CPU-specific formulations (see `jaxgrpo.models.layers.project`).
     """
 
     arch: str = "llama"
@@ -103,6 +106,7 @@ class ModelConfig:
     remat: bool = False
     unroll_layers: bool = False
     lora: LoRAConfig | None = None
+    platform: str = ""
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:

@@ -23,15 +23,17 @@ shared by its G samples.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxgrpo import sharding
 from jaxgrpo.models.layers import apply_rope, attend_shared_prompt, rms_norm
-from jaxgrpo.sharding import ShardingCtx, logical_to_spec, shard_act
+from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
 
 _HEAD_AXES = ("act_batch", "act_length", "act_heads", "act_head_dim")
@@ -44,12 +46,17 @@ class DecodeLayer:
 
     Attributes:
         attn_norm / mlp_norm: RMSNorm scales [D].
-        qkv: [(N + 2K) * H, D], the query rows, then the keys', then the values' (one matmul
-            instead of three; the key and value ones alone are narrow and run slowly).
+        qkv: [K * (M + 2) * H, D] (M = N / K): for each kv head, the rows of its M query
+            heads, then its key's, then its value's. One matmul instead of three (the key and
+            value ones alone are narrow and run slowly on XLA:CPU); grouped by kv head so that
+            splitting the rows over ``tensor`` gives each device whole heads (no exchange
+            between the projection and attention).
         o: [D, N*H].
-        qkv_bias: [(N + 2K) * H], or None when q, k and v have no bias; o_bias: [D] or None.
+        qkv_bias: [K * (M + 2) * H] in the same order, or None when q, k and v have no bias;
+            o_bias: [D] or None.
         q_norm / k_norm: Qwen3 per-head RMSNorm scales [H], or None.
-        gate_up: [2*F, D], the gate's F rows then the up projection's.
+        gate_up: [F * 2, D], row 2f the gate's f-th output and row 2f + 1 the up
+            projection's, so a split over ``tensor`` keeps each gate with its up row.
         down: [D, F].
         eps: RMSNorm epsilon (static).
     """
@@ -72,27 +79,36 @@ def _matrix(kernel: Array, n_in: int, dtype) -> Array:
     return kernel.reshape(math.prod(kernel.shape[:n_in]), -1).T.astype(dtype)
 
 
+def _by_kv_head(q: Array, k: Array, v: Array, kv_heads: int) -> Array:
+    """Rows [N*H, ...], [K*H, ...], [K*H, ...] -> [K * (M+2) * H, ...], grouped by kv head."""
+    group = lambda x: x.reshape(kv_heads, -1, *x.shape[1:])  # noqa: E731
+    both = jnp.concatenate([group(q), group(k), group(v)], axis=1)
+    return both.reshape(-1, *q.shape[1:])
+
+
 def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
     """The weights of one unstacked `Block` (adapters already merged) in decode layout."""
     attn, mlp = block.attn, block.mlp
+    kv_heads = attn.k.kernel.shape[1]
     qkv = (attn.q, attn.k, attn.v)
     qkv_bias = None
     if any(e.bias is not None for e in qkv):
-        qkv_bias = jnp.concatenate(
-            [
-                jnp.zeros(e.kernel.shape[1:], dtype).reshape(-1)
-                if e.bias is None
-                else e.bias[...].reshape(-1).astype(dtype)
-                for e in qkv
-            ]
-        )
+        biases = [
+            jnp.zeros(e.kernel.shape[1:], dtype).reshape(-1)
+            if e.bias is None
+            else e.bias[...].reshape(-1).astype(dtype)
+            for e in qkv
+        ]
+        qkv_bias = _by_kv_head(*biases, kv_heads)
     norm = lambda n: None if n is None else n.scale[...]  # noqa: E731
+    d, _, f = mlp.gate_up.kernel.shape
     return DecodeLayer(
         attn_norm=block.attn_norm.scale[...],
-        qkv=jnp.concatenate([_matrix(e.kernel[...], 1, dtype) for e in qkv]),
+        qkv=_by_kv_head(*[_matrix(e.kernel[...], 1, dtype) for e in qkv], kv_heads),
         o=_matrix(attn.o.kernel[...], 2, dtype),
         mlp_norm=block.mlp_norm.scale[...],
-        gate_up=_matrix(mlp.gate_up.kernel[...], 1, dtype),  # [D, 2, F] -> [2F, D]
+        # [D, 2, F] -> [F, 2, D] -> [2F, D]: rows (f, gate/up)
+        gate_up=mlp.gate_up.kernel[...].transpose(2, 1, 0).reshape(2 * f, d).astype(dtype),
         down=_matrix(mlp.down.kernel[...], 1, dtype),
         qkv_bias=qkv_bias,
         o_bias=None if attn.o.bias is None else attn.o.bias[...].reshape(-1).astype(dtype),
@@ -102,18 +118,33 @@ def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
     )
 
 
-def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None) -> DecodeLayer:
-    """Pins the layer's matrices to the rules' ``decode_out`` x ``decode_in`` layout (rules
-    without those names, like the training rules, leave XLA to choose); vectors replicate."""
-    if ctx is None or "decode_in" not in dict(ctx.rules):
+def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None, kv_heads: int) -> DecodeLayer:
+    """Under the sampling rules, pins the matrices tensor-parallel: q/k/v and gate/up split
+    their output rows over ``tensor`` (whole kv-head groups, whole F rows), o and down their
+    input, so a layer needs two all-reduces of a few activation rows (after o and after down)
+    and nothing else; vectors replicate (XLA slices them). Other rules leave XLA to choose.
+    """
+    if ctx is None or sharding.rules_name(ctx.rules) != "sample":
         return w
+    tp = ctx.mesh.shape["tensor"]
+    heads, mlp = kv_heads % tp == 0, w.down.shape[1] % tp == 0
+    axis = lambda ok: "tensor" if ok and tp > 1 else None  # noqa: E731
+    specs = dict(
+        qkv=PartitionSpec(axis(heads), None),
+        o=PartitionSpec(None, axis(heads)),
+        gate_up=PartitionSpec(axis(mlp), None),
+        down=PartitionSpec(None, axis(mlp)),
+    )
 
-    def pin(x):
-        names = ("decode_out", "decode_in") if x.ndim == 2 else (None,) * x.ndim
-        spec = logical_to_spec(names, ctx.rules, x.shape, ctx.mesh)
+    def pin(name, x):
+        if x is None:
+            return None
+        spec = specs.get(name, PartitionSpec())
         return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
 
-    return jax.tree.map(pin, w)
+    fields = {f.name: pin(f.name, getattr(w, f.name)) for f in dataclasses.fields(w)}
+    fields["eps"] = w.eps
+    return DecodeLayer(**fields)
 
 
 def _project(x_BTI: Array, w_OI: Array, b_O: Array | None) -> Array:
@@ -158,11 +189,11 @@ def decode_layer(
     h = cos.shape[-1] * 2
     h_BTD = rms_norm(x_BTD, w.attn_norm, w.eps)
     qkv_BTX = _project(h_BTD, w.qkv, w.qkv_bias)
-    nh = w.o.shape[1]
-    kh = (qkv_BTX.shape[-1] - nh) // 2
-    q_BTNH = qkv_BTX[..., :nh].reshape(b, t, -1, h)
-    k_BTKH = qkv_BTX[..., nh : nh + kh].reshape(b, t, -1, h)
-    v_BTKH = qkv_BTX[..., nh + kh :].reshape(b, t, -1, h)
+    n = w.o.shape[1] // h
+    k = (qkv_BTX.shape[-1] // h - n) // 2
+    grouped = qkv_BTX.reshape(b, t, k, n // k + 2, h)  # [B, T, K, M + 2, H]
+    q_BTNH = grouped[..., : n // k, :].reshape(b, t, n, h)
+    k_BTKH, v_BTKH = grouped[..., -2, :], grouped[..., -1, :]
     if w.q_norm is not None:
         q_BTNH, k_BTKH = rms_norm(q_BTNH, w.q_norm, w.eps), rms_norm(k_BTKH, w.k_norm, w.eps)
     q_BTNH = shard_act(apply_rope(q_BTNH, cos, sin), _HEAD_AXES, ctx)
@@ -180,9 +211,8 @@ def decode_layer(
     x_BTD = x_BTD + _project(attn_BTNH.reshape(b, t, -1), w.o, w.o_bias).astype(dtype)
 
     h_BTD = rms_norm(x_BTD, w.mlp_norm, w.eps)
-    gate_up_BT2F = _project(h_BTD, w.gate_up, None)
-    f = gate_up_BT2F.shape[-1] // 2
-    act_BTF = jax.nn.silu(gate_up_BT2F[..., :f]) * gate_up_BT2F[..., f:]
+    gate_up_BTF2 = _project(h_BTD, w.gate_up, None).reshape(b, t, -1, 2)
+    act_BTF = jax.nn.silu(gate_up_BTF2[..., 0]) * gate_up_BTF2[..., 1]
     act_BTF = shard_act(act_BTF, ("act_batch", "act_length", "act_mlp"), ctx)
     x_BTD = x_BTD + _project(act_BTF, w.down, None).astype(dtype)
     return shard_act(x_BTD, ("act_batch", "act_length", "act_embed"), ctx), (k_BKHS, v_BKSH)

@@ -12,9 +12,12 @@ import flax.struct
 import jax.numpy as jnp
 
 from jaxgrpo.models.config import ModelConfig
+from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
 
 CACHE_AXES = ("layers", "act_batch", "act_kv_length", "act_kv_heads", "act_head_dim")
+_KEYS = ("act_batch", "act_kv_heads", "act_head_dim", "act_kv_length")  # [B, K, H, S]
+_VALUES = ("act_batch", "act_kv_heads", "act_kv_length", "act_head_dim")  # [B, K, S, H]
 
 
 @flax.struct.dataclass
@@ -38,6 +41,15 @@ class KVCache:
     @property
     def max_len(self) -> int:
         return self.k.shape[2]
+
+    def constrain(self, ctx: ShardingCtx | None) -> KVCache:
+        """The cache pinned to the activation rules: rows over the batch axes, heads over
+        tensor (without this XLA may keep a zero-initialised cache whole on every device)."""
+        return self.replace(
+            k=shard_act(self.k, CACHE_AXES, ctx),
+            v=shard_act(self.v, CACHE_AXES, ctx),
+            mask=shard_act(self.mask, ("act_batch", None), ctx),
+        )
 
     def repeat(self, group: int) -> KVCache:
         """Repeats each row `group` times: row b becomes rows b*G .. b*G+G-1.
@@ -126,6 +138,23 @@ class LayerKVCache:
             mask=jnp.zeros((b, new_tokens), jnp.bool_),
             next_pos=cache.next_pos,
             index=jnp.zeros((), jnp.int32),
+        )
+
+    def constrain(self, ctx: ShardingCtx | None) -> LayerKVCache:
+        """The cache pinned to the activation rules, as `KVCache.constrain`. The completion
+        part starts as zeros, which XLA would otherwise replicate: for gsm8k_hard on v5e-64
+        that was 8 GiB per chip instead of 0.13."""
+        keys = lambda xs: tuple(shard_act(x, _KEYS, ctx) for x in xs)  # noqa: E731
+        values = lambda xs: tuple(shard_act(x, _VALUES, ctx) for x in xs)  # noqa: E731
+        rows = ("act_batch",)
+        return self.replace(
+            prompt_k=keys(self.prompt_k),
+            prompt_v=values(self.prompt_v),
+            prompt_mask=shard_act(self.prompt_mask, (*rows, None), ctx),
+            k=keys(self.k),
+            v=values(self.v),
+            mask=shard_act(self.mask, (*rows, None), ctx),
+            next_pos=shard_act(self.next_pos, rows, ctx),
         )
 
     def repeat(self, group: int) -> LayerKVCache:

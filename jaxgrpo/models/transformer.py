@@ -46,6 +46,13 @@ from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
 
 
+def _einsum_kw(cfg: ModelConfig, stack: tuple[int, ...], rngs: nnx.Rngs) -> dict:
+    """The keyword arguments every projection of a block shares."""
+    return dict(
+        stack=stack, param_dtype=cfg.param_dtype, dtype=cfg.dtype, platform=cfg.platform, rngs=rngs
+    )
+
+
 def _lora_for(cfg: ModelConfig, target: str):
     return cfg.lora if cfg.lora is not None and target in cfg.lora.targets else None
 
@@ -55,7 +62,7 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...], rngs: nnx.Rngs):
         d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        kw = dict(stack=stack, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+        kw = _einsum_kw(cfg, stack, rngs)
         self.q = Einsum(
             (d,),
             (n, h),
@@ -121,7 +128,7 @@ class MLP(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, stack: tuple[int, ...], rngs: nnx.Rngs):
         d, f = cfg.hidden_size, cfg.intermediate_size
-        kw = dict(stack=stack, param_dtype=cfg.param_dtype, dtype=cfg.dtype, rngs=rngs)
+        kw = _einsum_kw(cfg, stack, rngs)
         self.gate_up = Einsum((d,), (2, f), ("embed",), (None, "mlp"), **kw)
         self.down = Einsum((f,), (d,), ("mlp",), ("embed",), lora=_lora_for(cfg, "down"), **kw)
         lora_kw = dict(stack=stack, param_dtype=cfg.param_dtype, rngs=rngs)
@@ -367,7 +374,7 @@ class Transformer(nnx.Module):
         for i in range(self.cfg.num_layers):
             block = merge_lora(nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state)))
             layer = decode_layer_from_block(block, self.cfg.rms_norm_eps, dtype)
-            layers.append(shard_decode_layer(layer, self.shard_ctx))
+            layers.append(shard_decode_layer(layer, self.shard_ctx, self.cfg.num_kv_heads))
         return layers
 
     def _run_decode_layers(self, layers, x_BTD, cos, sin, mask_BTS, cache):

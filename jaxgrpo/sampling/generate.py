@@ -115,9 +115,11 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
 
     def prefill_fn(states, ids_BP, mask_BP, knobs, rng) -> SamplingState:
         batch, prompt_len = ids_BP.shape
-        cache = init_cache(model_cfg, batch, prompt_len, cache_dtype)
+        ctx = nnx.merge(graphdef, *states).shard_ctx
+        cache = init_cache(model_cfg, batch, prompt_len, cache_dtype).constrain(ctx)
         step_fn = _prefill_step_fn(graphdef, cfg.max_new_tokens)
-        return prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
+        state = prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
+        return state.replace(cache=state.cache.constrain(ctx))
 
     def decode_fn(states, state, knobs) -> SamplingState:
         step_fn = _decode_step_fn(_sampling_model(graphdef, states, model_cfg))
