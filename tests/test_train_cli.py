@@ -139,8 +139,8 @@ def test_build_task_applies_the_task_section():
     assert examples[0]["messages"][0] == {"role": "system", "content": "Be terse."}
     with pytest.raises(ConfigError, match="config key 'task.prompt_template'"):
         train.build_task(load_config("tiny", {"task.prompt_template": "r1"}).task)
-    with pytest.raises(ConfigError, match="config key 'task'"):
-        train.build_task(load_config("tiny", {"task.name": "no_such_task"}).task)
+    with pytest.raises(ConfigError, match="config key 'task.name'.*known: .*format_copy"):
+        load_config("tiny", {"task.name": "no_such_task"})  # validation knows the tasks
 
 
 def test_perplexity_reward_gets_the_frozen_base_model():
