@@ -127,9 +127,6 @@ def _comparable(row: dict) -> dict:
 
 @pytest.mark.slow
 def test_kill_after_step_2_and_resume_equals_uninterrupted(tmp_path):
-    from jaxgrpo.checkpoint import Checkpointer
-    from jaxgrpo.config import load_config
-    from jaxgrpo.train import build_parts
 
     config = tmp_path / "tiny_resume.py"
     config.write_text(RESUME_CONFIG)
@@ -164,20 +161,7 @@ def test_kill_after_step_2_and_resume_equals_uninterrupted(tmp_path):
         else:
             assert got4[key] == pytest.approx(value, rel=1e-6, abs=1e-7), (key, why)
 
-    cfg = load_config(str(config), {"run_dir": str(tmp_path / "unused")})
-    target = build_parts(cfg)["learner"].init_state()
-
-    def final_params(run_dir):
-        ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=1, keep=3)
-        state, meta = ckpt.restore(target, 4)
-        ckpt.close()
-        return [np.asarray(x) for x in jax.tree.leaves(state.params)], meta
-
-    (want_p, want_meta), (got_p, got_meta) = final_params(full_dir), final_params(killed_dir)
-    assert got_meta["data_cursor"] == want_meta["data_cursor"]
-    assert max(np.abs(w).max() for w in want_p) > 0
-    for g, w in zip(got_p, want_p, strict=True):
-        np.testing.assert_array_equal(g, w)
+    _assert_same_step_4(config, tmp_path, full_dir, killed_dir)
 
 
 MULTIHOST_CONFIG = RESUME_CONFIG.replace(
@@ -269,9 +253,6 @@ def test_two_process_cli_killed_and_resumed_equals_one_process(tmp_path):
     the same 2-device mesh, every all-reduce sums two partials (a + b == b + a in floating
     point, whether gloo or one process adds them) and resumption is exact
     (`test_kill_after_step_2_and_resume_equals_uninterrupted`). Measured: equal."""
-    from jaxgrpo.checkpoint import Checkpointer
-    from jaxgrpo.config import load_config
-    from jaxgrpo.train import build_parts
 
     config = tmp_path / "tiny_multihost.py"
     config.write_text(MULTIHOST_CONFIG)
@@ -332,6 +313,15 @@ def test_two_process_cli_killed_and_resumed_equals_one_process(tmp_path):
             else:
                 assert got_s[key] == value, (step, key, got_s[key], value)
 
+    _assert_same_step_4(config, tmp_path, single_dir, multi_dir)
+
+
+def _assert_same_step_4(config, tmp_path, want_dir, got_dir) -> None:
+    """Both runs' step-4 checkpoints hold bitwise equal parameters and the same data cursor."""
+    from jaxgrpo.checkpoint import Checkpointer
+    from jaxgrpo.config import load_config
+    from jaxgrpo.train import build_parts
+
     cfg = load_config(str(config), {"run_dir": str(tmp_path / "unused")})
     target = build_parts(cfg)["learner"].init_state()
 
@@ -341,7 +331,7 @@ def test_two_process_cli_killed_and_resumed_equals_one_process(tmp_path):
         ckpt.close()
         return [np.asarray(x) for x in jax.tree.leaves(state.params)], meta
 
-    (want_p, want_meta), (got_p, got_meta) = final_params(single_dir), final_params(multi_dir)
+    (want_p, want_meta), (got_p, got_meta) = final_params(want_dir), final_params(got_dir)
     assert got_meta["data_cursor"] == want_meta["data_cursor"]
     assert max(np.abs(w).max() for w in want_p) > 0
     for g, w in zip(got_p, want_p, strict=True):
