@@ -352,8 +352,9 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
 
     Returns:
       ``{"program": {kind: {count, bytes}}, "loop_body": {...}, "loops": n}``; ``count`` and
-      ``bytes`` in ``program`` are per execution (loop bodies times their trips; a loop whose
-      count XLA does not know runs ``unknown_trips`` times).
+      ``bytes`` in ``program`` are per execution (loop bodies times their trips; the top-level
+      loops whose count XLA does not know share ``unknown_trips`` evenly, a nested one runs
+      once per enclosing iteration).
     """
     comps, entry = _parse(hlo)
     total: dict[str, dict] = {}
@@ -379,7 +380,9 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
             if op == "while":
                 body = _WHILE.search(line).group(1)
                 trips = _TRIPS.search(line)
-                n = int(trips.group(1)) if trips else unknown_trips
+                # Only a top-level loop is the sampler's decode loop; a nested loop XLA
+                # cannot count (a sort, a search) is counted once per enclosing iteration.
+                n = int(trips.group(1)) if trips else unknown_trips if name == entry else 1
                 first = into_body
                 if into_body is None and loops == 0 and name == entry:
                     first = body_first
@@ -391,5 +394,8 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
                 for callee in group.replace("%", "").split(","):
                     walk(callee.strip(), times, into_body, seen)
 
+    # The compaction levels' loops share the decode's T steps between them.
+    top = [line for op, _, line in comps.get(entry, []) if op == "while"]
+    unknown_trips = max(1, unknown_trips // max(1, sum(not _TRIPS.search(x) for x in top)))
     walk(entry, 1, None, frozenset())
     return {"program": total, "loop_body": body_first, "loops": loops}
