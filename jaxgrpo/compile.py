@@ -21,6 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from jaxgrpo.runtime import quiet_libraries  # imports no jax: XLA_FLAGS are set in main first
+
 GIB = 1024**3
 TABLE_MODELS = (
     "SmolLM2-135M", "Qwen2.5-1.5B", "Qwen2.5-Math-1.5B-Instruct", "Llama-3.1-8B", "Qwen3-8B"
@@ -269,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     _set_devices(args.topology if not args.table else "v5e-8")
+    quiet_libraries()
     logging.basicConfig(level=logging.INFO, format="jaxgrpo.compile: %(message)s")
     from jaxgrpo.evaluate import config_override  # imports jax: after _set_devices
 
