@@ -367,20 +367,10 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: evaluate, write the JSON and Markdown (process 0), print the table."""
-    from jaxgrpo.runtime import (
-        UserError,
-        enable_compilation_cache,
-        keep_freed_memory,
-        quiet_libraries,
-        use_cpu_xla_flags,
-    )
+    from jaxgrpo.runtime import UserError, prepare_cli
 
-    use_cpu_xla_flags()
-    keep_freed_memory()
-    quiet_libraries()
+    prepare_cli()
     import jax
-
-    enable_compilation_cache()
 
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     try:

@@ -31,13 +31,7 @@ from jaxgrpo import sharding
 from jaxgrpo.checkpoint import Checkpointer
 from jaxgrpo.evaluate import load_policy, restore_params, run_config
 from jaxgrpo.models.export import export_hf, export_peft
-from jaxgrpo.runtime import (
-    UserError,
-    enable_compilation_cache,
-    keep_freed_memory,
-    quiet_libraries,
-    use_cpu_xla_flags,
-)
+from jaxgrpo.runtime import UserError, prepare_cli
 
 # Model sources that are not Hugging Face checkpoints (jaxgrpo.train.build_model's aliases).
 _NON_HF_SOURCES = ("tiny", "smollm2")
@@ -185,10 +179,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: export, then print the output path and how to load it."""
-    use_cpu_xla_flags()
-    keep_freed_memory()
-    quiet_libraries()
-    enable_compilation_cache()
+    prepare_cli()
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     run_dir = args.run_dir.rstrip("/") or args.run_dir
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import os
 import signal
 import sys
@@ -77,8 +78,6 @@ class MissingExtra(UserError, ImportError):
 
 def require(module: str, extra: str, needed_for: str) -> Any:
     """Imports optional ``module`` or raises ``MissingExtra`` naming the extra that installs it."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError:
@@ -118,6 +117,15 @@ def enable_compilation_cache() -> str | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     return path
+
+
+def prepare_cli() -> None:
+    """The process set-up every CLI does first: XLA:CPU flags and the allocator (before JAX
+    starts its backend and threads), quiet third-party advice, the compilation cache."""
+    use_cpu_xla_flags()
+    keep_freed_memory()
+    quiet_libraries()
+    enable_compilation_cache()
 
 
 def quiet_libraries() -> None:

@@ -45,12 +45,9 @@ from jaxgrpo.runtime import (
     DataStream,
     RunFiles,
     StopRequest,
-    enable_compilation_cache,
     fault_point,
-    keep_freed_memory,
     one_line_errors,
-    quiet_libraries,
-    use_cpu_xla_flags,
+    prepare_cli,
 )
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -488,10 +485,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from absl import logging as absl_logging
     from ml_collections import config_flags
 
-    use_cpu_xla_flags()
-    keep_freed_memory()
-    quiet_libraries()
-    enable_compilation_cache()
+    prepare_cli()
     argv = list(sys.argv if argv is None else argv)
     try:
         argv, task_kwargs = split_task_kwargs(argv)
