@@ -140,11 +140,14 @@ def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None, kv_heads: int) -
         if x is None:
             return None
         spec = specs.get(name, PartitionSpec())
+        if x.ndim > len(spec):  # stacked [L, ...] weights of the scanned decode loop
+            spec = PartitionSpec(*(None,) * (x.ndim - len(spec)), *spec)
         return jax.lax.with_sharding_constraint(x, NamedSharding(ctx.mesh, spec))
 
-    fields = {f.name: pin(f.name, getattr(w, f.name)) for f in dataclasses.fields(w)}
-    fields["eps"] = w.eps
-    return DecodeLayer(**fields)
+    fields = {
+        f.name: pin(f.name, getattr(w, f.name)) for f in dataclasses.fields(w) if f.name != "eps"
+    }
+    return DecodeLayer(**fields, eps=w.eps)
 
 
 def _project(x_BTI: Array, w_OI: Array, b_O: Array | None) -> Array:
@@ -164,6 +167,7 @@ def decode_layer(
     prompt_kv: tuple[Array, Array],
     prompt_mask: Array,
     ctx: ShardingCtx | None = None,
+    layer: Array | None = None,
 ) -> tuple[Array, tuple[Array, Array]]:
     """`Block.__call__` on decode-layout weights and this layer's part of a `LayerKVCache`.
 
@@ -180,6 +184,9 @@ def decode_layer(
             slots.
         prompt_mask: [B / G, P] bool, the valid prompt slots.
         ctx: activation sharding context.
+        layer: with stacked caches (the scanned decode loop): ``kv`` is every layer's
+            [L, ...] buffers and this layer is ``layer`` of them; only its T new slots are
+            written, so the loop carries the cache in place.
 
     Returns:
         (new residual stream, updated (k, v)).
@@ -200,13 +207,17 @@ def decode_layer(
     k_BTKH = shard_act(apply_rope(k_BTKH, cos, sin), _KV_AXES, ctx)
     v_BTKH = shard_act(v_BTKH, _KV_AXES, ctx)
 
-    k_BKHS, v_BKSH = kv
-    k_BKHS = jax.lax.dynamic_update_slice(
-        k_BKHS, k_BTKH.transpose(0, 2, 3, 1).astype(k_BKHS.dtype), (0, 0, 0, index)
-    )
-    v_BKSH = jax.lax.dynamic_update_slice(
-        v_BKSH, v_BTKH.transpose(0, 2, 1, 3).astype(v_BKSH.dtype), (0, 0, index, 0)
-    )
+    k, v = kv
+    new_k, new_v = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
+    if layer is None:
+        k = jax.lax.dynamic_update_slice(k, new_k.astype(k.dtype), (0, 0, 0, index))
+        v = jax.lax.dynamic_update_slice(v, new_v.astype(v.dtype), (0, 0, index, 0))
+        k_BKHS, v_BKSH = k, v
+    else:
+        k = jax.lax.dynamic_update_slice(k, new_k[None].astype(k.dtype), (layer, 0, 0, 0, index))
+        v = jax.lax.dynamic_update_slice(v, new_v[None].astype(v.dtype), (layer, 0, 0, index, 0))
+        k_BKHS = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)
+        v_BKSH = jax.lax.dynamic_index_in_dim(v, layer, keepdims=False)
     attn_BTNH = attend_shared_prompt(q_BTNH, prompt_kv, prompt_mask, (k_BKHS, v_BKSH), mask_BTS)
     x_BTD = x_BTD + _project(attn_BTNH.reshape(b, t, -1), w.o, w.o_bias).astype(dtype)
 
@@ -215,4 +226,4 @@ def decode_layer(
     act_BTF = jax.nn.silu(gate_up_BTF2[..., 0]) * gate_up_BTF2[..., 1]
     act_BTF = shard_act(act_BTF, ("act_batch", "act_length", "act_mlp"), ctx)
     x_BTD = x_BTD + _project(act_BTF, w.down, None).astype(dtype)
-    return shard_act(x_BTD, ("act_batch", "act_length", "act_embed"), ctx), (k_BKHS, v_BKSH)
+    return shard_act(x_BTD, ("act_batch", "act_length", "act_embed"), ctx), (k, v)

@@ -87,46 +87,63 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 @flax.struct.dataclass
 class LayerKVCache:
-    """The decode-time cache: per-layer buffers, heads before slots, the prompt stored once.
+    """The decode-time cache: heads before slots, the prompt stored once per prompt.
 
-    The scanned `KVCache` suits prefill and training, but in a one-token decode step reading
-    layer i out of a stacked [L, ...] buffer copies it, and the [B, S, K, H] layout makes the
-    attention dots transpose it again: measured on SmolLM2 at B=32, S=256, that is ~0.4 GB of
-    copies per step, as much time as the matmuls. Separate per-layer buffers are updated in
-    place (the loop donates them) and read by the dots as they are: keys as [B, K, H, S] (the
-    scores' right-hand operand [contracted, free], the order XLA:CPU's dot library takes
-    without a copy) and values as [B, K, S, H] (already that order for `probs @ v`). With keys
-    as [B, K, S, H] the score dots of SmolLM2 at B=32, S=128 took 34 of a 205 ms decode step.
+    The scanned `KVCache` suits prefill and training, but in a one-token decode step its
+    [B, S, K, H] layout makes the attention dots transpose it. Here keys are [B, K, H, S]
+    (the scores' right-hand operand [contracted, free], the order XLA:CPU's dot library takes
+    without a copy) and values [B, K, S, H] (already that order for `probs @ v`).
+
+    Each of the four buffers is either a tuple of L per-layer arrays, for the unrolled decode
+    loop (on XLA:CPU reading layer i out of a stacked buffer copies it at every step), or one
+    stacked array with a leading [L] axis, for the scanned one (`ModelConfig.scan_decode`).
+    Both are updated in place: the loop donates them.
 
     The G samples of a prompt share its keys and values, so the prompt part keeps one row per
     prompt and `repeat(G)` repeats only the completion part: a decode step reads the prompt
     cache once per group (`layers.attend_shared_prompt`), not once per sample.
 
     Attributes:
-        prompt_k: L prompt keys [B, K, H, P], RoPE already applied.
-        prompt_v: L prompt values [B, K, P, H].
+        prompt_k: prompt keys [B, K, H, P] per layer, RoPE already applied.
+        prompt_v: prompt values [B, K, P, H] per layer.
         prompt_mask: [B, P] bool, True at real (non-pad) prompt slots.
-        k: L completion keys [R, K, H, S], R = B * G rows.
-        v: L completion values [R, K, S, H].
+        k: completion keys [R, K, H, S] per layer, R = B * G rows.
+        v: completion values [R, K, S, H] per layer.
         mask: [R, S] bool, True at completion slots holding a token.
         next_pos: [R] int32, the position id of each row's next token.
         index: int32 scalar, the next completion slot to write (shared by all rows).
     """
 
-    prompt_k: tuple[Array, ...]
-    prompt_v: tuple[Array, ...]
+    prompt_k: tuple[Array, ...] | Array
+    prompt_v: tuple[Array, ...] | Array
     prompt_mask: Array
-    k: tuple[Array, ...]
-    v: tuple[Array, ...]
+    k: tuple[Array, ...] | Array
+    v: tuple[Array, ...] | Array
     mask: Array
     next_pos: Array
     index: Array
 
+    @property
+    def stacked(self) -> bool:
+        """True when the buffers are stacked [L, ...] arrays (the scanned decode loop)."""
+        return not isinstance(self.k, tuple)
+
     @classmethod
-    def from_prompt(cls, cache: KVCache, new_tokens: int) -> LayerKVCache:
+    def from_prompt(cls, cache: KVCache, new_tokens: int, stacked: bool = False) -> LayerKVCache:
         """A `KVCache` whose every slot was filled by the prompt pass (S = P), as the shared
-        prompt part, plus `new_tokens` empty completion slots per row."""
+        prompt part, plus `new_tokens` empty completion slots per row; `stacked` as above."""
         layers, b, _, k, h = cache.k.shape
+        if stacked:
+            return cls(
+                prompt_k=cache.k.transpose(0, 1, 3, 4, 2),
+                prompt_v=cache.v.transpose(0, 1, 3, 2, 4),
+                prompt_mask=cache.mask,
+                k=jnp.zeros((layers, b, k, h, new_tokens), cache.k.dtype),
+                v=jnp.zeros((layers, b, k, new_tokens, h), cache.k.dtype),
+                mask=jnp.zeros((b, new_tokens), jnp.bool_),
+                next_pos=cache.next_pos,
+                index=jnp.zeros((), jnp.int32),
+            )
         split = lambda x, order: tuple(x[i].transpose(order) for i in range(layers))  # noqa: E731
         empty = lambda shape: tuple(jnp.zeros(shape, cache.k.dtype) for _ in range(layers))  # noqa: E731
         return cls(
@@ -140,19 +157,27 @@ class LayerKVCache:
             index=jnp.zeros((), jnp.int32),
         )
 
+    def _each(self, buffers, fn):
+        """`fn(array, row_axis)` applied to every layer's array of ``buffers``."""
+        if isinstance(buffers, tuple):
+            return tuple(fn(x, 0) for x in buffers)
+        return fn(buffers, 1)
+
     def constrain(self, ctx: ShardingCtx | None) -> LayerKVCache:
         """The cache pinned to the activation rules, as `KVCache.constrain`. The completion
         part starts as zeros, which XLA would otherwise replicate: for gsm8k_hard on v5e-64
         that was 8 GiB per chip instead of 0.13."""
-        keys = lambda xs: tuple(shard_act(x, _KEYS, ctx) for x in xs)  # noqa: E731
-        values = lambda xs: tuple(shard_act(x, _VALUES, ctx) for x in xs)  # noqa: E731
+
+        def pin(axes):
+            return lambda x, row_axis: shard_act(x, ("layers",) * row_axis + axes, ctx)
+
         rows = ("act_batch",)
         return self.replace(
-            prompt_k=keys(self.prompt_k),
-            prompt_v=values(self.prompt_v),
+            prompt_k=self._each(self.prompt_k, pin(_KEYS)),
+            prompt_v=self._each(self.prompt_v, pin(_VALUES)),
             prompt_mask=shard_act(self.prompt_mask, (*rows, None), ctx),
-            k=keys(self.k),
-            v=values(self.v),
+            k=self._each(self.k, pin(_KEYS)),
+            v=self._each(self.v, pin(_VALUES)),
             mask=shard_act(self.mask, (*rows, None), ctx),
             next_pos=shard_act(self.next_pos, rows, ctx),
         )
@@ -162,10 +187,10 @@ class LayerKVCache:
 
         The prompt part is not copied: row r's prompt is prompt r // (rows per prompt).
         """
-        rep = lambda xs: tuple(jnp.repeat(x, group, axis=0) for x in xs)  # noqa: E731
+        rep = lambda x, axis: jnp.repeat(x, group, axis=axis)  # noqa: E731
         return self.replace(
-            k=rep(self.k),
-            v=rep(self.v),
+            k=self._each(self.k, rep),
+            v=self._each(self.v, rep),
             mask=jnp.repeat(self.mask, group, axis=0),
             next_pos=jnp.repeat(self.next_pos, group, axis=0),
         )
@@ -178,13 +203,13 @@ class LayerKVCache:
         """
         group = self.mask.shape[0] // self.prompt_mask.shape[0]
         prompt_rows = rows // group
-        take = lambda xs, r: tuple(jnp.take(x, r, axis=0) for x in xs)  # noqa: E731
+        take = lambda r: lambda x, axis: jnp.take(x, r, axis=axis)  # noqa: E731
         return LayerKVCache(
-            prompt_k=take(self.prompt_k, prompt_rows),
-            prompt_v=take(self.prompt_v, prompt_rows),
+            prompt_k=self._each(self.prompt_k, take(prompt_rows)),
+            prompt_v=self._each(self.prompt_v, take(prompt_rows)),
             prompt_mask=jnp.take(self.prompt_mask, prompt_rows, axis=0),
-            k=take(self.k, rows),
-            v=take(self.v, rows),
+            k=self._each(self.k, take(rows)),
+            v=self._each(self.v, take(rows)),
             mask=jnp.take(self.mask, rows, axis=0),
             next_pos=jnp.take(self.next_pos, rows, axis=0),
             index=self.index,

@@ -16,6 +16,7 @@ decode matmuls; prefill, training and scoring use the scan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -362,32 +363,61 @@ class Transformer(nnx.Module):
             )
         return h_BTD, kv if return_kv else cache
 
-    def decode_layers(self) -> list[DecodeLayer]:
-        """The L layers as separate `DecodeLayer`s: sliced, adapters folded in, [out, in].
+    @property
+    def scans_decode(self) -> bool:
+        """Whether the sampler's decode steps scan stacked layers (`ModelConfig.scan_decode`)."""
+        if self.cfg.scan_decode is not None:
+            return self.cfg.scan_decode
+        return (self.cfg.platform or jax.default_backend()) != "cpu"
 
-        Called once per `generate` call, outside the decode loop, so the loop's steps read
-        every weight in place (see `jaxgrpo.models.decode`). The model is not modified.
+    def decode_layers(self) -> list[DecodeLayer] | DecodeLayer:
+        """The L layers in the decode layout: adapters folded in, matrices [out, in].
+
+        L separate `DecodeLayer`s for the unrolled decode loop, or one whose arrays are
+        stacked [L, ...] when `scans_decode`. Called once per `generate` call, outside the
+        decode loop, so the loop's steps read every weight in place (see
+        `jaxgrpo.models.decode`). The model is not modified.
         """
         graphdef, state = nnx.split(self.layers)
         dtype = jnp.dtype(self.cfg.dtype)
-        layers = []
-        for i in range(self.cfg.num_layers):
-            block = merge_lora(nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state)))
-            layer = decode_layer_from_block(block, self.cfg.rms_norm_eps, dtype)
-            layers.append(shard_decode_layer(layer, self.shard_ctx, self.cfg.num_kv_heads))
-        return layers
+
+        def convert(layer_state):
+            block = merge_lora(nnx.merge(graphdef, layer_state))
+            return decode_layer_from_block(block, self.cfg.rms_norm_eps, dtype)
+
+        shard = lambda w: shard_decode_layer(w, self.shard_ctx, self.cfg.num_kv_heads)  # noqa: E731
+        if self.scans_decode:
+            return shard(jax.vmap(convert)(state))
+        return [
+            shard(convert(jax.tree.map(lambda x, i=i: x[i], state)))
+            for i in range(self.cfg.num_layers)
+        ]
 
     def _run_decode_layers(self, layers, x_BTD, cos, sin, mask_BTS, cache):
-        """The decode path of `hidden`: an unrolled loop over `DecodeLayer`s."""
+        """The decode path of `hidden`: a scan over stacked `DecodeLayer`s carrying the
+        stacked cache, or an unrolled loop over per-layer ones."""
         if not isinstance(cache, LayerKVCache):
             raise TypeError("hidden(layers=...) decodes into a LayerKVCache")
+        if isinstance(layers, DecodeLayer) != cache.stacked:
+            raise TypeError("stacked decode layers go with a stacked LayerKVCache")
+        step = functools.partial(
+            decode_layer, cos=cos, sin=sin, mask_BTS=mask_BTS, index=cache.index,
+            prompt_mask=cache.prompt_mask, ctx=self.shard_ctx,
+        )  # fmt: skip
+        if cache.stacked:
+
+            def body(carry, xs):
+                x_BTD, kv = carry
+                w, pk, pv, i = xs
+                return step(w, x_BTD, kv=kv, prompt_kv=(pk, pv), layer=i), None
+
+            xs = (layers, cache.prompt_k, cache.prompt_v, jnp.arange(self.cfg.num_layers))
+            (x_BTD, kv), _ = jax.lax.scan(body, (x_BTD, (cache.k, cache.v)), xs)
+            return x_BTD, kv
         ks, vs = [], []
         prompt_kv = zip(cache.prompt_k, cache.prompt_v, strict=True)
         for w, k, v, pkv in zip(layers, cache.k, cache.v, prompt_kv, strict=True):
-            x_BTD, (k, v) = decode_layer(
-                w, x_BTD, cos, sin, mask_BTS, (k, v), cache.index, pkv, cache.prompt_mask,
-                self.shard_ctx,
-            )  # fmt: skip
+            x_BTD, (k, v) = step(w, x_BTD, kv=(k, v), prompt_kv=pkv)
             ks.append(k)
             vs.append(v)
         return x_BTD, (tuple(ks), tuple(vs))

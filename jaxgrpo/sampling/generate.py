@@ -60,16 +60,17 @@ def _prefill_step_fn(graphdef: nnx.GraphDef, new_tokens: int):
         model = nnx.merge(graphdef, *states)
         h_BTD, cache = model.hidden(ids_BT, attention_mask_BT=mask_BT, cache=cache)
         # Only the last position is needed: never build [B, P, V] logits for the prompt.
-        return model.logits(h_BTD[:, -1:, :])[:, 0, :], LayerKVCache.from_prompt(cache, new_tokens)
+        cache = LayerKVCache.from_prompt(cache, new_tokens, stacked=model.scans_decode)
+        return model.logits(h_BTD[:, -1:, :])[:, 0, :], cache
 
     return step_fn
 
 
 def _decode_step_fn(model: nnx.Module):
-    """``(_, ids_N1, mask_N1, cache) -> (logits_NV, cache)``: one token through unrolled layers.
+    """``(_, ids_N1, mask_N1, cache) -> (logits_NV, cache)``: one token through the layers.
 
-    The per-layer weights (LoRA folded in) are sliced here, before the ``while_loop``, so each
-    step reads them in place; the unused first argument is the loop's ``params`` slot.
+    The decode-layout weights (LoRA folded in) are prepared here, before the ``while_loop``,
+    so each step reads them in place; the unused first argument is the loop's ``params`` slot.
     """
     layers = model.decode_layers()
 

@@ -171,7 +171,7 @@ def _decode_paths(model, ids, mask, prefill_len):
     _, cache = model.hidden(prompt_ids, prompt_mask, cache=init_cache(model.cfg, b, t))
     cache = cache.repeat(2)
     _, prompt = model.hidden(prompt_ids, prompt_mask, cache=init_cache(model.cfg, b, prefill_len))
-    layer_cache = LayerKVCache.from_prompt(prompt, t - prefill_len).repeat(2)
+    layer_cache = LayerKVCache.from_prompt(prompt, t - prefill_len, model.scans_decode).repeat(2)
     layers = model.decode_layers()
     scanned, unrolled = [], []
     for i in range(prefill_len, t):
@@ -184,12 +184,16 @@ def _decode_paths(model, ids, mask, prefill_len):
     return jnp.stack(scanned, 1), jnp.stack(unrolled, 1), layer_cache
 
 
-def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch):
-    """The sampler's decode path (per-layer [out, in] weights with LoRA folded in, per-layer
-    [B, K, S, H] cache whose prompt part is shared by each prompt's G = 2 rows) gives the
-    scanned model's logits on a repeated cache, adapters unmerged (1e-5)."""
+@pytest.mark.parametrize("scan_decode", [False, True], ids=["unrolled", "scanned"])
+def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch, scan_decode):
+    """The sampler's decode path (decode-layout [out, in] weights with LoRA folded in, a
+    [B, K, H, S] / [B, K, S, H] cache whose prompt part is shared by each prompt's G = 2 rows),
+    unrolled over per-layer arrays or scanned over stacked ones, gives the training model's
+    logits on a repeated cache, adapters unmerged (1e-5)."""
     _, base, _ = pair
-    cfg = dataclasses.replace(base.cfg, lora=LoRAConfig(rank=4, alpha=8.0))
+    cfg = dataclasses.replace(
+        base.cfg, lora=LoRAConfig(rank=4, alpha=8.0), scan_decode=scan_decode
+    )
     model = random_transformer(cfg, seed=3, std=0.1)
     lora = nnx.state(model, nnx.LoRAParam)
     rng = np.random.default_rng(0)
@@ -200,6 +204,7 @@ def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch):
     scanned, unrolled, layer_cache = _decode_paths(model, ids, mask, 8)
     assert float(jnp.max(jnp.abs(scanned))) > 0.1
     np.testing.assert_allclose(np.asarray(unrolled), np.asarray(scanned), rtol=1e-5, atol=1e-5)
+    assert layer_cache.stacked == scan_decode
     assert len(layer_cache.k) == cfg.num_layers
     b, t = ids.shape
     kh, h = cfg.num_kv_heads, cfg.head_dim
