@@ -191,9 +191,7 @@ def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch, scan_deco
     unrolled over per-layer arrays or scanned over stacked ones, gives the training model's
     logits on a repeated cache, adapters unmerged (1e-5)."""
     _, base, _ = pair
-    cfg = dataclasses.replace(
-        base.cfg, lora=LoRAConfig(rank=4, alpha=8.0), scan_decode=scan_decode
-    )
+    cfg = dataclasses.replace(base.cfg, lora=LoRAConfig(rank=4, alpha=8.0), scan_decode=scan_decode)
     model = random_transformer(cfg, seed=3, std=0.1)
     lora = nnx.state(model, nnx.LoRAParam)
     rng = np.random.default_rng(0)
