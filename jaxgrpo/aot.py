@@ -348,7 +348,8 @@ def _kind(op: str) -> str | None:
 
 def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
     """Collectives of a compiled program: whole program (weighted by loop trip counts) and the
-    first top-level while loop's body (once, i.e. one decode step for the sampler's loop).
+    first top-level while loop's body (once, i.e. one decode step for the sampler's loop, with
+    the loops inside it, such as the scan over layers, weighted by their trip counts).
 
     Returns:
       ``{"program": {kind: {count, bytes}}, "loop_body": {...}, "loops": n}``; ``count`` and
@@ -366,7 +367,8 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
         slot["count"] += times
         slot["bytes"] += size * times
 
-    def walk(name, times, into_body, seen):
+    def walk(name, times, into_body, body_times, seen):
+        """``times``: executions per program run; ``body_times``: per decode step."""
         nonlocal loops
         if name in seen or name not in comps:
             return
@@ -376,26 +378,26 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
             if kind:
                 add(total, kind, size, times)
                 if into_body is not None:
-                    add(into_body, kind, size, 1)
+                    add(into_body, kind, size, body_times)
             if op == "while":
                 body = _WHILE.search(line).group(1)
                 trips = _TRIPS.search(line)
                 # Only a top-level loop is the sampler's decode loop; a nested loop XLA
                 # cannot count (a sort, a search) is counted once per enclosing iteration.
                 n = int(trips.group(1)) if trips else unknown_trips if name == entry else 1
-                first = into_body
+                first, first_times = into_body, body_times * n
                 if into_body is None and loops == 0 and name == entry:
-                    first = body_first
+                    first, first_times = body_first, 1  # one decode step: its layer scan x L
                 if name == entry:
                     loops += 1
-                walk(body, times * n, first, seen)
+                walk(body, times * n, first, first_times, seen)
                 continue
             for group in _CALLS.findall(line):
                 for callee in group.replace("%", "").split(","):
-                    walk(callee.strip(), times, into_body, seen)
+                    walk(callee.strip(), times, into_body, body_times, seen)
 
     # The compaction levels' loops share the decode's T steps between them.
     top = [line for op, _, line in comps.get(entry, []) if op == "while"]
     unknown_trips = max(1, unknown_trips // max(1, sum(not _TRIPS.search(x) for x in top)))
-    walk(entry, 1, None, frozenset())
+    walk(entry, 1, None, 1, frozenset())
     return {"program": total, "loop_body": body_first, "loops": loops}

@@ -231,25 +231,39 @@ def table_rows(reports: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _cell(rep: dict) -> tuple[str, str, str]:
+    f = rep["facts"]
+    return f["model"].removeprefix("random:"), f["tuning"], f["topology"]
+
+
 def _table(args, overrides: dict) -> int:
+    """Compiles the grid's training step (``TABLE_ONLY``) cell by cell. With ``--json`` each
+    cell is written as it finishes, and a rerun keeps the cells the file already has."""
     reports = []
+    if args.json and os.path.exists(args.json):
+        with open(args.json, encoding="utf-8") as f:
+            reports = json.load(f)
+    done = {_cell(rep) for rep in reports}
     for model in args.models or TABLE_MODELS:
         for lora in (16, 0):
             for topology in args.slices or TABLE_SLICES:
+                if (model, "LoRA" if lora else "full", topology) in done:
+                    continue
                 extra = {"model.source": f"random:{model}", "model.lora_rank": lora}
                 try:
                     rep = compile_config(
-                        args.config, topology, {**overrides, **extra}, args.prompt_len
+                        args.config, topology, {**overrides, **extra}, args.prompt_len, TABLE_ONLY
                     )
                 except Exception as e:  # a cell that fails to build is reported, not fatal
                     print(f"| {model} | {lora} | {topology} | error: {e} |", flush=True)
                     continue
                 reports.append(rep)
                 print(table_rows([rep]).splitlines()[-1], flush=True)
+                if args.json:
+                    with open(args.json + ".tmp", "w", encoding="utf-8") as f:
+                        json.dump(reports, f, indent=1, default=float)
+                    os.replace(args.json + ".tmp", args.json)
     print(table_rows(reports))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(reports, f, indent=1, default=float)
     return 0
 
 

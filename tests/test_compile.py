@@ -211,6 +211,40 @@ backend_config={"known_trip_count":{"n":"5"}}
     assert out["loops"] == 1
 
 
+def test_a_loop_inside_the_decode_loop_counts_per_trip():
+    """The scan over layers inside a decode step: its collectives count L times per step."""
+    hlo = """HloModule m
+
+%layer (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ar = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups={}, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %ar)
+}
+
+%step (p: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %ag = f32[16]{0} all-gather(f32[8]{0} %x), dimensions={0}
+  %l = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%layer, \
+backend_config={"known_trip_count":{"n":"3"}}
+  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %x)
+}
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%step
+  ROOT %r = f32[8]{0} copy(%a)
+}
+"""
+    out = aot.collectives(hlo, unknown_trips=10)
+    assert out["loop_body"] == {
+        "all-reduce": {"count": 3, "bytes": 96},
+        "all-gather": {"count": 1, "bytes": 64},
+    }
+    assert out["program"]["all-reduce"] == {"count": 30, "bytes": 960}
+    assert out["loops"] == 1
+
+
 def test_every_table_slice_is_a_topology():
     for name in compile_cli.TABLE_SLICES + ("v5e-1", "v4-8", "v5p-8", "v6e-256"):
         p = presets.get_preset(name)
