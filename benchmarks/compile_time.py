@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models import load_model
-from jaxgrpo.models.transformer import random_transformer
+from jaxgrpo.models.init import random_model
 from jaxgrpo.train import smollm2_path
 
 
@@ -21,7 +21,7 @@ def main():
     print(f"SmolLM2 load_model: {time.perf_counter() - start:.1f} s")
     for layers in (30, 2):
         cfg = dataclasses.replace(model.cfg, num_layers=layers)
-        graphdef, state = nnx.split(random_transformer(cfg, seed=0))
+        graphdef, state = nnx.split(random_model(cfg, seed=0))
 
         def forward(state, ids, graphdef=graphdef):
             return nnx.merge(graphdef, state)(ids, attention_mask=jnp.ones_like(ids))

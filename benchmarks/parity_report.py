@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.models.transformer import random_transformer
+from jaxgrpo.models.init import random_model
 from jaxgrpo.models.weights import load_hf_tensors
 
 # The tests' tiny configs (tests/tiny_hf.py), with HF's own initializer range and no special
@@ -43,7 +43,7 @@ def main():
         torch.manual_seed(0)
         ref_model = transformers.AutoModelForCausalLM.from_config(hf).eval()
         sd = ref_model.state_dict()
-        model = random_transformer(ModelConfig.from_hf_config(hf.to_dict()), seed=0)
+        model = random_model(ModelConfig.from_hf_config(hf.to_dict()), seed=0)
         load_hf_tensors(model, lambda n, sd=sd: sd[n].detach().numpy())
         ours = np.asarray(model(jnp.asarray(ids, jnp.int32), attention_mask=jnp.asarray(mask)))
         with torch.no_grad():

@@ -202,7 +202,9 @@ def _knobs(knobs, replicated):
 def _sampler(learner, name, prompts, prompt_len, kwargs, devices) -> list[Program]:
     """Compiles one ``generate_from_state`` call's prefill and decode."""
     mesh, cfg = learner.mesh, learner.model_cfg
-    ids = _abstract(np.zeros((prompts, prompt_len), np.int32), ro.batch_sharding(mesh, prompts, 2))
+    ids = _abstract(
+        np.zeros((prompts, prompt_len), np.int32), sharding.batch_sharding(mesh, prompts, 2)
+    )
     prefill, decode, knobs = sampler_programs(learner.graphdef, cfg, ids, **kwargs)
     knobs = _knobs(knobs, learner.replicated)
     states = (learner._params0, learner.frozen)
@@ -217,7 +219,7 @@ def _sampler(learner, name, prompts, prompt_len, kwargs, devices) -> list[Progra
         state = jax.tree.map(_abstract_like, state, first.compiled.output_shardings)
     else:  # prefill did not fit: rows over data x fsdp, as the compiler would place them
         rows = lambda x: (
-            ro.batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else learner.replicated
+            sharding.batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else learner.replicated
         )  # noqa: E731
         state = jax.tree.map(lambda x: _abstract_like(x, rows(x)), state)
     decode_w = flops.weight_bytes(cfg) / mesh.shape["tensor"] * t  # read once per token

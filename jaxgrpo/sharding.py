@@ -21,6 +21,7 @@ import os
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxgrpo import presets
@@ -190,25 +191,34 @@ def param_shardings(abstract_state, mesh: Mesh, rules: Rules):
     return jax.tree.map(lambda p: NamedSharding(mesh, p), specs)
 
 
-def create_sharded_model(cfg, mesh: Mesh, rules: Rules = TRAIN_RULES, rngs_seed: int = 0):
-    """A randomly initialised Transformer whose parameters are created already sharded.
+def replicated(mesh: Mesh) -> NamedSharding:
+    """The whole array on every device of ``mesh``."""
+    return NamedSharding(mesh, PartitionSpec())
 
-    The model is traced abstractly (`nnx.eval_shape`), its shardings derived from the logical
-    axes, and each tensor is drawn on the host and placed shard by shard (see
-    `jaxgrpo.models.transformer.random_state`): one tensor at a time, nothing compiled. To load
-    real weights, pass the result to `jaxgrpo.models.weights.load_hf_tensors`, which writes each
-    tensor into the sharding already on its parameter. The model also carries the ShardingCtx
-    so its activations are constrained with the same mesh and rules.
-    """
-    from jaxgrpo.models.transformer import Transformer, random_state
 
-    cfg = cfg.replace(platform=cfg.platform or mesh.devices.flat[0].platform)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(rngs_seed)))
-    graphdef, abstract_state = nnx.split(abstract)
-    shardings = param_shardings(abstract_state, mesh, rules)
-    model = nnx.merge(graphdef, random_state(abstract_state, rngs_seed, shardings=shardings))
-    model.shard_ctx = ShardingCtx(mesh, rules)
-    return model
+def batch_sharding(mesh: Mesh, rows: int, ndim: int, rules: Rules = TRAIN_RULES) -> NamedSharding:
+    """Rows over the mesh axes of the ``act_batch`` rule when they divide evenly, else
+    replicated; the other ``ndim - 1`` dimensions whole."""
+    axes = dict(rules).get("act_batch")
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    if not axes or rows % math.prod(mesh.shape[a] for a in axes):
+        return replicated(mesh)
+    return NamedSharding(mesh, PartitionSpec(axes, *([None] * (ndim - 1))))
+
+
+def put_batch(x: np.ndarray, mesh: Mesh, rules: Rules = TRAIN_RULES) -> jax.Array:
+    """A global array from a host array that every process holds in full (rows as
+    `batch_sharding`, a scalar replicated); each process hands JAX only its devices' slices."""
+    x = np.asarray(x)
+    where = batch_sharding(mesh, x.shape[0], x.ndim, rules) if x.ndim else replicated(mesh)
+    return jax.make_array_from_callback(x.shape, where, lambda index: x[index])
+
+
+def to_host(x) -> np.ndarray:
+    """The whole value of a (possibly multi-host) array on this host."""
+    if isinstance(x, np.ndarray) or x.is_fully_addressable:
+        return np.asarray(x)
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 def initialize_distributed(

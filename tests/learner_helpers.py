@@ -48,7 +48,7 @@ def run_steps(learner, task, steps: int):
     """Trains `steps` steps from a fresh state; returns (host params list, metrics list)."""
     import jax
 
-    from jaxgrpo.rl.rollout import to_host
+    from jaxgrpo.sharding import to_host
 
     examples = list(task.train_examples(0))
     state = learner.init_state()

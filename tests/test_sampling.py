@@ -374,11 +374,12 @@ def test_sharded_8_devices_equals_one(tiny):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxgrpo import sharding as shd
+    from jaxgrpo.models.init import random_model
 
     model, ids, mask = tiny
     ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # B = 4
     mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    sharded = shd.create_sharded_model(model.cfg, mesh, shd.SAMPLE_RULES)
+    sharded = random_model(model.cfg, mesh=mesh, rules=shd.SAMPLE_RULES)
     nnx.update(
         sharded,
         jax.tree.map(
@@ -438,6 +439,7 @@ def test_scanned_decode_equals_unrolled(tiny):
     from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxgrpo import sharding as shd
+    from jaxgrpo.models.init import random_model
     from jaxgrpo.models.transformer import Transformer
 
     model, ids, mask = tiny
@@ -453,7 +455,7 @@ def test_scanned_decode_equals_unrolled(tiny):
     )  # fmt: skip
     unrolled = sampling.generate(model, ids, mask, **kw)
     mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    sharded = shd.create_sharded_model(scanned.cfg, mesh, shd.SAMPLE_RULES)
+    sharded = random_model(scanned.cfg, mesh=mesh, rules=shd.SAMPLE_RULES)
     nnx.update(
         sharded,
         jax.tree.map(

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxgrpo import sharding
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.init import random_model
 from jaxgrpo.models.kv_cache import init_cache
 from jaxgrpo.models.transformer import Transformer
 
@@ -91,7 +92,7 @@ def test_partition_specs_match_committed_dump(mesh):
 def test_eight_devices_equal_one(mesh):
     """Same weights: sharded (TRAIN_RULES, activations constrained) vs single-device forward,
     and a sharded cached prefill + decode step. Tolerance 1e-5."""
-    model = sharding.create_sharded_model(CFG, mesh, sharding.TRAIN_RULES, rngs_seed=3)
+    model = random_model(CFG, 3, mesh=mesh, rules=sharding.TRAIN_RULES)
     q = model.layers.attn.q.kernel[...]
     assert q.sharding.spec == P(None, "fsdp", "tensor", None)
     assert q.addressable_shards[0].data.shape == (2, 16, 2, 8)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import re
 import struct
@@ -30,10 +29,11 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from jaxgrpo import presets, sharding
+from jaxgrpo import presets
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.init import empty_model, random_model
 from jaxgrpo.models.tokenizer import Tokenizer
-from jaxgrpo.models.transformer import Transformer, random_transformer
+from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rl.tiny import tiny_tokenizer
 
 __all__ = [
@@ -204,52 +204,6 @@ def _as_tokenizer(tokenizer, make_tokenizer: Callable[[], Tokenizer]) -> Tokeniz
     return Tokenizer.from_gguf(path) if path.endswith(".gguf") else Tokenizer.from_pretrained(path)
 
 
-def _empty_model(cfg: ModelConfig, seed: int, mesh=None, rules=None) -> Transformer:
-    """A Transformer whose base weights are zeros, to be overwritten by the checkpoint.
-
-    Initialising 135M random weights only to discard them took longer than reading the GGUF,
-    and every jitted or eager ``jax.random`` draw costs an XLA compilation (seconds each on a
-    busy 2-core machine). So the model is shaped abstractly (``nnx.eval_shape``). Without a mesh
-    base weights become host ``np.zeros`` (pages the OS allocates lazily), which
-    ``load_hf_tensors`` overwrites in place and ``load_model`` then moves to the device. With a
-    mesh they are zero arrays in their final sharding, built shard by shard, so each host only
-    ever holds its own shards. LoRA adapters get ``LoRA.__init__``'s distribution from numpy:
-    A ~ N(0, 1 / fan_in), B = 0.
-    """
-    from flax import nnx
-
-    from jaxgrpo.models.lora import LoRA
-
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
-    rng = np.random.default_rng(seed)
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, LoRA):
-            a, b = node.lora_a, node.lora_b
-            fan_in = math.prod(a.shape[a.ndim - node.n_in - 1 : -1])
-            a_init = rng.standard_normal(a.shape, np.float32) / np.float32(math.sqrt(fan_in))
-            a.set_value(a_init.astype(a.dtype))
-            b.set_value(np.zeros(b.shape, b.dtype))
-    graphdef, state = nnx.split(model)
-    abstract = jax.ShapeDtypeStruct
-    if mesh is None:
-        zeros = lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, abstract) else x
-        return nnx.merge(graphdef, jax.tree.map(zeros, state))
-    from jaxgrpo import sharding
-
-    rules = rules or sharding.TRAIN_RULES
-    shardings = sharding.param_shardings(state, mesh, rules)
-
-    def place(x, where):
-        if not isinstance(x, abstract):
-            return jax.device_put(x, where)
-        shard = lambda index: np.zeros(where.shard_shape(x.shape), x.dtype)
-        return jax.make_array_from_callback(x.shape, where, shard)
-
-    model = nnx.merge(graphdef, jax.tree.map(place, state, shardings))
-    model.shard_ctx = sharding.ShardingCtx(mesh, rules)
-    return model
-
-
 def _random_model(source: str, fields: dict, mesh, rules, tokenizer, seed: int):
     """``(model, tokenizer)`` of ``random:<name>``: random weights, the tiny BPE tokenizer."""
     name = source.removeprefix(presets.RANDOM_PREFIX)
@@ -258,9 +212,9 @@ def _random_model(source: str, fields: dict, mesh, rules, tokenizer, seed: int):
         raise ValueError(f"Unknown architecture {name!r} in {source!r}; known: {known}.")
     cfg = ModelConfig.from_hf_config(presets.ARCHITECTURES[name], **fields)
     if mesh is None:
-        model = random_transformer(cfg, seed)
+        model = random_model(cfg, seed)
     else:
-        model = sharding.create_sharded_model(cfg, mesh, rules or sharding.TRAIN_RULES, seed)
+        model = random_model(cfg, seed, mesh=mesh, rules=rules)
     return model, _as_tokenizer(tokenizer, tiny_tokenizer)
 
 
@@ -328,7 +282,7 @@ def load_model(
             f"Tokenizer vocabulary ({tok.vocab_size} tokens) does not fit the model's embedding "
             f"({cfg.vocab_size} rows) for {source}."
         )
-    model = _empty_model(cfg, seed, mesh, rules)
+    model = empty_model(cfg, seed, mesh, rules)
     load_hf_tensors(model, get_tensor)
     if mesh is None:
         # Variables holding host arrays were filled in place; move them to the device.

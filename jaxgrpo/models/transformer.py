@@ -22,7 +22,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from jaxgrpo.models.config import ModelConfig
@@ -236,7 +235,7 @@ class Transformer(nnx.Module):
     Attributes:
         cfg: the ModelConfig.
         shard_ctx: mesh + rules used to constrain activations, or None (set by
-            `jaxgrpo.sharding.create_sharded_model`).
+            `jaxgrpo.models.init.random_model`).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -459,44 +458,3 @@ def layer_block(model: Transformer, i: int) -> Block:
     """Layer i of the stacked decoder as an ordinary (unstacked) Block, e.g. for tests."""
     graphdef, state = nnx.split(model.layers)
     return nnx.merge(graphdef, jax.tree.map(lambda x: x[i], state))
-
-
-def random_transformer(cfg: ModelConfig, seed: int = 0, std: float = 0.05) -> Transformer:
-    """A Transformer with random weights drawn by numpy on the host: nothing is compiled.
-
-    For tests and benchmarks: eager nnx construction compiles each initialiser separately,
-    which dominates small-model test time on CPU. See `random_state` for the distribution.
-    """
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed)))
-    nnx.update(model, random_state(nnx.state(model), seed, std))
-    return model
-
-
-def random_state(abstract_state, seed: int = 0, std: float = 0.05, shardings=None):
-    """Host-drawn values for an abstract model state, one tensor at a time.
-
-    Norm scales are 1 + noise, LoRA B is zero (adapters start as the identity), everything
-    else is normal(0, std). With `shardings` (a matching tree of NamedSharding), each tensor is
-    placed shard by shard with `jax.make_array_from_callback`, so no compilation is needed.
-    """
-    rng = np.random.default_rng(seed)
-    is_var = lambda x: isinstance(x, nnx.Variable)  # noqa: E731
-
-    def draw(path, var, sharding=None):
-        value = var.get_value()
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name == "lora_b":
-            x = np.zeros(value.shape)
-        elif name == "scale":
-            x = 1.0 + 0.1 * rng.standard_normal(value.shape)
-        else:
-            x = std * rng.standard_normal(value.shape)
-        x = np.asarray(x, value.dtype)
-        if sharding is None:
-            return var.replace(jnp.asarray(x))
-        return var.replace(jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]))
-
-    if shardings is None:
-        return jax.tree_util.tree_map_with_path(draw, abstract_state, is_leaf=is_var)
-    shardings = jax.tree.map(lambda v: v.get_value(), shardings, is_leaf=is_var)
-    return jax.tree_util.tree_map_with_path(draw, abstract_state, shardings, is_leaf=is_var)

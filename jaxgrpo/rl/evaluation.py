@@ -8,7 +8,7 @@ from typing import Any
 
 import jax
 
-from jaxgrpo.rl import rollout as ro
+from jaxgrpo import sharding
 from jaxgrpo.rl import step_metrics
 from jaxgrpo.sampling import generate_from_state
 
@@ -42,16 +42,16 @@ def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, fl
             learner.graphdef,
             (state.params, learner.frozen),
             learner.model_cfg,
-            ro.put_global(ids, learner.mesh),
-            ro.put_global(mask, learner.mesh),
+            sharding.put_batch(ids, learner.mesh),
+            sharding.put_batch(mask, learner.mesh),
             rng=jax.random.key(0),
             max_new_tokens=learner.cfg.sampling.max_new_tokens,
             temperature=0.0,
             eos_ids=tok.eos_ids,
             pad_id=tok.pad_id,
         )
-        tokens, out_mask = ro.to_host(out.tokens), ro.to_host(out.mask)
-        stop = ro.to_host(out.stop_reason)
+        tokens, out_mask = sharding.to_host(out.tokens), sharding.to_host(out.mask)
+        stop = sharding.to_host(out.stop_reason)
         k = len(chunk)
         texts += tok.batch_decode(tokens[:k], out_mask[:k])
         lengths += out_mask[:k].sum(-1).tolist()

@@ -171,21 +171,21 @@ class Learner:
     def _batch_shardings(self) -> ro.RolloutBatch:
         b = self.rl.prompts_per_step
         n = b * self.rl.group_size
-        rows = ro.batch_sharding(self.mesh, n, 2)
+        rows = sharding.batch_sharding(self.mesh, n, 2)
         return ro.RolloutBatch(
-            prompt_ids=ro.batch_sharding(self.mesh, b, 2),
-            prompt_mask=ro.batch_sharding(self.mesh, b, 2),
+            prompt_ids=sharding.batch_sharding(self.mesh, b, 2),
+            prompt_mask=sharding.batch_sharding(self.mesh, b, 2),
             tokens=rows,
             mask=rows,
             temps=rows,
             sampler_logp=rows,
             old_logp=rows,
             ref_logp=rows,
-            advantages=ro.batch_sharding(self.mesh, n, 1),
+            advantages=sharding.batch_sharding(self.mesh, n, 1),
             packing=ro.Packing(
-                src_BL=ro.batch_sharding(self.mesh, b, 2),
-                seg_BL=ro.batch_sharding(self.mesh, b, 2),
-                pos_BL=ro.batch_sharding(self.mesh, b, 2),
+                src_BL=sharding.batch_sharding(self.mesh, b, 2),
+                seg_BL=sharding.batch_sharding(self.mesh, b, 2),
+                pos_BL=sharding.batch_sharding(self.mesh, b, 2),
                 unpack_NT=rows,
             )
             if self.rl.pack_completions
@@ -231,7 +231,7 @@ class Learner:
             (new state, metrics of scalars, samples: one dict per completion).
         """
         t_start = time.perf_counter()
-        step = int(ro.to_host(state.step))
+        step = int(sharding.to_host(state.step))
         state = self._maybe_reset_reference(state, step)
         next_step, next_rng, k_sample, k_shuffle = self._advance(state.step, state.rng)
         timer = step_metrics.Timer()
@@ -245,7 +245,7 @@ class Learner:
             draws=float(draws),
             lr=float(self.schedule(step * self.updates_per_step)),
             temperature=self.step_temperature(step),
-            skipped_updates=float(ro.to_host(state.skipped)),
+            skipped_updates=float(sharding.to_host(state.skipped)),
         )
         metrics["time/step_learner"] = time.perf_counter() - t_start
         fwd = int(self.needs_ref) + int(self.old_from == "forward")
@@ -291,12 +291,12 @@ class Learner:
                 self.graphdef,
                 (state.params, self.frozen),
                 self.model_cfg,
-                ro.put_global(ids, self.mesh),
-                ro.put_global(mask, self.mesh),
+                sharding.put_batch(ids, self.mesh),
+                sharding.put_batch(mask, self.mesh),
                 rng=key,
                 **self.sampler_kwargs(step),
             )
-            host = {k: ro.to_host(getattr(out, k)) for k in step_metrics.SAMPLE_FIELDS}
+            host = {k: sharding.to_host(getattr(out, k)) for k in step_metrics.SAMPLE_FIELDS}
             timer.add_tokens(int(host["lengths"].sum()))
         with timer("rewards"):
             completions = tok.batch_decode(host["tokens"], host["mask"])
@@ -351,7 +351,7 @@ class Learner:
 
     def _prepare(self, state: TrainState, r: ro.Rollout) -> tuple[ro.RolloutBatch, dict]:
         """Reference/old log-probs, KL-in-reward, advantages, loss mask -> the device batch."""
-        put = lambda x: ro.put_global(x, self.mesh)  # noqa: E731
+        put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
         packing = None
         if self.rl.pack_completions:
             # Packed scoring reads only each completion's own tokens, so the width of the
@@ -385,8 +385,10 @@ class Learner:
         rewards = r.rewards
         extra: dict[str, Any] = {}
         if self.needs_ref and self.rl.kl_in_reward:
-            behaviour = ro.to_host(old_logp) if self.old_from == "forward" else r.logprobs[:, :t]
-            kl_NT = np.where(mask > 0, behaviour - ro.to_host(ref_logp), 0.0)
+            behaviour = (
+                sharding.to_host(old_logp) if self.old_from == "forward" else r.logprobs[:, :t]
+            )
+            kl_NT = np.where(mask > 0, behaviour - sharding.to_host(ref_logp), 0.0)
             extra["kl_in_reward"] = kl_NT.sum(-1)
             rewards = rewards - self.rl.beta * extra["kl_in_reward"]
         adv, adv_metrics = step_metrics.advantages(
@@ -412,7 +414,7 @@ class Learner:
         """ppo_epochs x shuffled minibatches of whole groups, each A micro-batches of M groups."""
         b = self.rl.prompts_per_step
         a, m = self.rl.grad_accum, b // (self.rl.num_minibatches * self.rl.grad_accum)
-        rng = np.random.default_rng(ro.to_host(key).astype(np.uint64).tolist())
+        rng = np.random.default_rng(sharding.to_host(key).astype(np.uint64).tolist())
         history: list[dict] = []
         for _ in range(self.rl.ppo_epochs):
             perm = rng.permutation(b).astype(np.int32)

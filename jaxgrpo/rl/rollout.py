@@ -5,10 +5,10 @@ the learner scores, filters (dynamic sampling), logs and turns into the device-s
 `RolloutBatch` that the scoring passes and the update consume.
 
 Multi-host: every process tokenizes the whole batch of prompts (they are the same on every
-host, drawn from the same seeded stream) and `put_global` hands JAX only the slices its devices
-hold, so each host feeds its part of the batch. Completions come back to every host
-(`to_host`) so rewards, advantages and metrics are computed identically everywhere and no
-host-to-host exchange of Python objects is needed.
+host, drawn from the same seeded stream) and JAX gets only the slices its devices hold
+(`sharding.put_batch`), so each host feeds its part of the batch. Completions come back to
+every host (`sharding.to_host`) so rewards, advantages and metrics are computed identically
+everywhere and no host-to-host exchange of Python objects is needed.
 """
 
 from __future__ import annotations
@@ -18,43 +18,12 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.rl import accuracy
 from jaxgrpo.types import Array
-
-BATCH_AXES = ("data", "fsdp")
-
-
-def batch_sharding(mesh: Mesh, rows: int, ndim: int) -> NamedSharding:
-    """Rows over (data, fsdp) when they divide evenly, else replicated."""
-    size = mesh.shape["data"] * mesh.shape["fsdp"]
-    if rows % size:
-        return NamedSharding(mesh, PartitionSpec())
-    return NamedSharding(mesh, PartitionSpec(BATCH_AXES, *([None] * (ndim - 1))))
-
-
-def put_global(x: np.ndarray, mesh: Mesh) -> Array:
-    """A global array from a host array that every process holds in full."""
-    x = np.asarray(x)
-    sharding = batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else _replicated(mesh)
-    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
-
-
-def _replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, PartitionSpec())
-
-
-def to_host(x: Array) -> np.ndarray:
-    """The whole value of a (possibly multi-host) array on this host."""
-    if isinstance(x, np.ndarray) or x.is_fully_addressable:
-        return np.asarray(x)
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
 class ShapeBuckets:

@@ -29,8 +29,9 @@ import numpy as np
 
 from jaxgrpo.rl import accuracy
 from jaxgrpo.rl.advantages import group_advantages
-from jaxgrpo.rl.rollout import Rollout, columns_for, to_host
+from jaxgrpo.rl.rollout import Rollout, columns_for
 from jaxgrpo.sampling import StopReason
+from jaxgrpo.sharding import to_host
 
 LENGTH = int(StopReason.LENGTH)
 SAMPLE_FIELDS = ("tokens", "mask", "logprobs", "temperatures", "stop_reason", "lengths")

@@ -108,9 +108,9 @@ def tiny_model(
     """
     cfg = tiny_model_config(lora, dtype).replace(unroll_layers=unroll_layers)
     if mesh is not None:
-        from jaxgrpo import sharding
+        from jaxgrpo.models.init import random_model
 
-        model = sharding.create_sharded_model(cfg, mesh, rules or sharding.TRAIN_RULES, seed)
+        model = random_model(cfg, seed, mesh=mesh, rules=rules)
     else:
         from flax import nnx
 

@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxgrpo.models import lora as lora_lib
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
-from jaxgrpo.models.transformer import random_transformer
+from jaxgrpo.models.init import random_model
 from jaxgrpo.models.weights import hf_tensors, peft_adapter_config, peft_lora_tensors
 
 CFG = ModelConfig(
@@ -27,7 +27,7 @@ def _logits(model):
 
 def _with_base(lora_cfg, base):
     """A LoRA model whose base weights are `base`'s and whose adapters have random B."""
-    model = random_transformer(CFG.replace(lora=lora_cfg), seed=1)
+    model = random_model(CFG.replace(lora=lora_cfg), seed=1)
     nnx.update(model, nnx.state(base, nnx.Param))
     return model
 
@@ -42,7 +42,7 @@ def _randomise_b(model, seed=2):
 
 @pytest.fixture(scope="module")
 def base():
-    return random_transformer(CFG)
+    return random_model(CFG)
 
 
 def test_untrained_adapters_reproduce_the_base_model_exactly(base):
@@ -93,7 +93,7 @@ def test_only_lora_params_get_gradients_and_zero_lora_is_the_reference(base):
 
 
 def test_targets_select_projections():
-    model = random_transformer(CFG.replace(lora=LoRAConfig(rank=2, targets=("q", "v", "up"))))
+    model = random_model(CFG.replace(lora=LoRAConfig(rank=2, targets=("q", "v", "up"))))
     attn, mlp = model.layers.attn, model.layers.mlp
     assert attn.q.lora is not None and attn.v.lora is not None and mlp.up_lora is not None
     assert attn.k.lora is None and attn.o.lora is None and mlp.gate_lora is None

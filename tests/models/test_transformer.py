@@ -13,8 +13,9 @@ import pytest
 from flax import nnx
 
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.init import random_model
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
-from jaxgrpo.models.transformer import Transformer, random_transformer
+from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.models.weights import hf_tensors, load_hf_tensors
 
 torch = pytest.importorskip("torch")
@@ -192,7 +193,7 @@ def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch, scan_deco
     logits on a repeated cache, adapters unmerged (1e-5)."""
     _, base, _ = pair
     cfg = dataclasses.replace(base.cfg, lora=LoRAConfig(rank=4, alpha=8.0), scan_decode=scan_decode)
-    model = random_transformer(cfg, seed=3, std=0.1)
+    model = random_model(cfg, seed=3, std=0.1)
     lora = nnx.state(model, nnx.LoRAParam)
     rng = np.random.default_rng(0)
     nnx.update(
@@ -239,7 +240,7 @@ def _tiny_cfg(**kw):
 
 
 def test_missing_tensor_is_named():
-    model = random_transformer(_tiny_cfg())
+    model = random_model(_tiny_cfg())
     tensors = hf_tensors(model)
     del tensors["model.layers.1.self_attn.k_proj.bias"]
     with pytest.raises(KeyError, match=r"model\.layers\.1\.self_attn\.k_proj\.bias"):
@@ -247,7 +248,7 @@ def test_missing_tensor_is_named():
 
 
 def test_misshaped_tensor_names_expected_and_found_shapes():
-    model = random_transformer(_tiny_cfg())
+    model = random_model(_tiny_cfg())
     tensors = hf_tensors(model)
     tensors["model.layers.0.mlp.down_proj.weight"] = np.zeros((64, 32), np.float32)
     with pytest.raises(ValueError, match=r"down_proj\.weight.*\(64, 32\).*expected \(32, 64\)"):
@@ -262,7 +263,7 @@ def test_unsupported_architecture_lists_supported():
 def test_remat_and_bfloat16():
     """Remat changes memory, not math (grads within 1e-5); bf16 params+compute stay close."""
     cfg = _tiny_cfg()
-    model = random_transformer(cfg)
+    model = random_model(cfg)
     ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) % 128
     graphdef, state = nnx.split(model)
 
@@ -280,7 +281,7 @@ def test_remat_and_bfloat16():
     for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
 
-    bf = random_transformer(cfg.replace(param_dtype="bfloat16", dtype="bfloat16"))
+    bf = random_model(cfg.replace(param_dtype="bfloat16", dtype="bfloat16"))
     assert bf.layers.attn.q.kernel[...].dtype == jnp.bfloat16
     logits_bf = _forward(bf, ids, jnp.ones_like(ids))
     assert logits_bf.dtype == jnp.float32
@@ -292,7 +293,7 @@ def test_unrolled_layers_equal_the_scan():
     """`unroll_layers` changes the program, not the math: logits, gradients and a cached
     prefill + decode step equal the scanned layers' (float32, 1e-5)."""
     cfg = _tiny_cfg().replace(num_layers=3)
-    model = random_transformer(cfg)
+    model = random_model(cfg)
     ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) * 7 % 128
     mask = jnp.ones_like(ids).at[1, :3].set(0)
     graphdef, state = nnx.split(model)

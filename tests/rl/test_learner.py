@@ -17,8 +17,8 @@ from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.rollout import to_host
 from jaxgrpo.rl.tiny import tiny_model
+from jaxgrpo.sharding import to_host
 
 PARAM_ATOL = 1e-5  # float32; 8 devices reduce the same sums in a different order
 

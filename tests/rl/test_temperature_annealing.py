@@ -18,8 +18,8 @@ from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.rollout import to_host
 from jaxgrpo.rl.tiny import tiny_model
+from jaxgrpo.sharding import to_host
 
 LEVELS = (1.5, 1.0, 0.6)  # the step schedule: piecewise over steps 0 | 1 | 2
 POSITION_END = 0.5  # the position multiplier falls linearly from 1 to this over T positions
