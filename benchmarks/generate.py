@@ -18,7 +18,7 @@ import os
 import statistics
 import time
 
-from jaxgrpo.runtime import keep_freed_memory, use_cpu_xla_flags
+from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
 
 # Before torch or JAX start threads: the malloc settings the CLIs run with (jaxgrpo.runtime).
 # They hold for the whole process, so transformers runs under them too.

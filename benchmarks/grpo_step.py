@@ -24,7 +24,7 @@ import statistics
 import tempfile
 import time
 
-from jaxgrpo.runtime import keep_freed_memory, use_cpu_xla_flags
+from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
 
 PROMPTS, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
 

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jaxgrpo.runtime import quiet_libraries  # imports no jax: XLA_FLAGS are set in main first
+from jaxgrpo.platform import quiet_libraries  # imports no jax: XLA_FLAGS are set in main first
 
 GIB = 1024**3
 TABLE_MODELS = (

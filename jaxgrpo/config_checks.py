@@ -18,11 +18,11 @@ from ml_collections import ConfigDict
 
 from jaxgrpo import presets
 from jaxgrpo.data import TASKS
+from jaxgrpo.errors import UserError
 from jaxgrpo.models.config import LORA_TARGETS
 from jaxgrpo.rl.advantages import BASELINES, SCALES
 from jaxgrpo.rl.kl import KL_ESTIMATORS
 from jaxgrpo.rl.losses import LOSS_PRESETS
-from jaxgrpo.runtime import UserError
 from jaxgrpo.sampling.schedules import SCHEDULES
 
 

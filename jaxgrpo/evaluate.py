@@ -247,13 +247,13 @@ def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:
     import jax
 
     from jaxgrpo import config as config_lib
-    from jaxgrpo import sharding
+    from jaxgrpo import platform, sharding
 
     runs = [(None, "base")] if args.base or not args.checkpoint else []
     runs += [(d, os.path.basename(os.path.normpath(d))) for d in args.checkpoint or []]
     overrides = dict(args.overrides)
     cfg0 = run_config(args.config, runs[-1][0], overrides)
-    sharding.initialize_distributed(
+    platform.initialize_distributed(
         coordinator=cfg0.mesh.coordinator_address or None,
         num_processes=cfg0.mesh.num_processes or None,
         process_id=cfg0.mesh.process_id if cfg0.mesh.process_id >= 0 else None,
@@ -367,7 +367,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry: evaluate, write the JSON and Markdown (process 0), print the table."""
-    from jaxgrpo.runtime import UserError, prepare_cli
+    from jaxgrpo.errors import UserError
+    from jaxgrpo.platform import prepare_cli
 
     prepare_cli()
     import jax

@@ -29,9 +29,10 @@ from etils import epath
 from jaxgrpo import config as config_lib
 from jaxgrpo import sharding
 from jaxgrpo.checkpoint import Checkpointer
+from jaxgrpo.errors import UserError
 from jaxgrpo.evaluate import load_policy, restore_params, run_config
 from jaxgrpo.models.export import export_hf, export_peft
-from jaxgrpo.runtime import UserError, prepare_cli
+from jaxgrpo.platform import prepare_cli
 
 # Model sources that are not Hugging Face checkpoints (jaxgrpo.train.build_model's aliases).
 _NON_HF_SOURCES = ("tiny", "smollm2")

@@ -14,9 +14,7 @@ mlp and vocab split across devices).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
-import os
 
 import jax
 import numpy as np
@@ -219,32 +217,3 @@ def to_host(x) -> np.ndarray:
     if isinstance(x, np.ndarray) or x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
-def initialize_distributed(
-    coordinator: str | None = None,
-    num_processes: int | None = None,
-    process_id: int | None = None,
-) -> bool:
-    """Starts JAX's multi-controller runtime when more than one process is requested.
-
-    Arguments default to the env vars JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
-    JAX_PROCESS_ID. With a single process (the default) this is a no-op. On TPU pods, pass
-    num_processes=-1 to let JAX discover the topology itself.
-
-    Returns:
-        True if `jax.distributed.initialize` was called.
-    """
-    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
-    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
-        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
-    if process_id is None and "JAX_PROCESS_ID" in os.environ:
-        process_id = int(os.environ["JAX_PROCESS_ID"])
-    if num_processes == -1:
-        jax.distributed.initialize()
-        return True
-    if not num_processes or num_processes <= 1:
-        return False
-    logging.info("jax.distributed.initialize(%s, %d, %s)", coordinator, num_processes, process_id)
-    jax.distributed.initialize(coordinator, num_processes, process_id)
-    return True

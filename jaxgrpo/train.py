@@ -31,6 +31,7 @@ from jaxgrpo import plot
 from jaxgrpo.checkpoint import Checkpointer
 from jaxgrpo.config import ConfigError, TrainConfig
 from jaxgrpo.config_checks import unknown_key_error
+from jaxgrpo.errors import one_line_errors
 from jaxgrpo.logging import (
     MetricsLogger,
     ProgressBar,
@@ -41,14 +42,8 @@ from jaxgrpo.logging import (
     run_summary,
     warn_once,
 )
-from jaxgrpo.runtime import (
-    DataStream,
-    RunFiles,
-    StopRequest,
-    fault_point,
-    one_line_errors,
-    prepare_cli,
-)
+from jaxgrpo.platform import initialize_distributed, prepare_cli
+from jaxgrpo.runtime import DataStream, RunFiles, StopRequest, fault_point
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ALIASES = {  # what the aliases of model.source are, for the run's header
@@ -377,12 +372,11 @@ def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> li
 def start_distributed(cfg: TrainConfig) -> None:
     """JAX's multi-process runtime as ``cfg.mesh`` asks (nothing for one process, or when it
     runs already). It must come before any JAX call that starts the backend."""
-    from jaxgrpo import sharding
 
     if jax.distributed.is_initialized():
         return
     m = cfg.mesh
-    sharding.initialize_distributed(
+    initialize_distributed(
         coordinator=m.coordinator_address or None,
         num_processes=m.num_processes or None,
         process_id=m.process_id if m.process_id >= 0 else None,

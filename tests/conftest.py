@@ -6,7 +6,7 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from jaxgrpo.runtime import keep_freed_memory, use_cpu_xla_flags  # noqa: E402  (imports no jax)
+from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags  # noqa: E402  (imports no jax)
 
 use_cpu_xla_flags()  # the flags the CLIs run with
 keep_freed_memory()  # and their malloc settings

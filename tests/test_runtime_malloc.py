@@ -12,7 +12,7 @@ import pytest
 
 _PROBE = """
 import ctypes, resource, threading
-from jaxgrpo.runtime import keep_freed_memory
+from jaxgrpo.platform import keep_freed_memory
 
 applied = keep_freed_memory()
 libc = ctypes.CDLL(None)

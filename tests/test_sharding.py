@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxgrpo import sharding
+from jaxgrpo import platform, sharding
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.init import random_model
 from jaxgrpo.models.kv_cache import init_cache
@@ -122,4 +122,4 @@ def test_eight_devices_equal_one(mesh):
 def test_shard_act_without_ctx_and_single_process_init():
     x = jnp.ones((2, 3))
     assert sharding.shard_act(x, ("act_batch", "act_embed"), None) is x
-    assert sharding.initialize_distributed() is False
+    assert platform.initialize_distributed() is False

@@ -27,7 +27,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
-from jaxgrpo.runtime import UserError, require
+from jaxgrpo.errors import UserError, require
 
 Example = dict[str, Any]
 Message = dict[str, str]

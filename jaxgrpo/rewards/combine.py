@@ -19,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
+from jaxgrpo.errors import UserError
 from jaxgrpo.rewards.bleu import bleu
 from jaxgrpo.rewards.math import exact_answer
-from jaxgrpo.runtime import UserError
 
 RewardFn = Callable[..., list]
 _LOG = logging.getLogger(__name__)

@@ -1,0 +1,145 @@
+"""Process set-up: XLA flags, the allocator, the compilation cache, quiet third-party
+libraries and JAX's multi-process runtime, done by every CLI first thing (`prepare_cli`).
+
+Nothing here imports jax at module level: the flags and the allocator must be set before JAX
+starts its backend and threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import sys
+
+# XLA:CPU hands dots, reductions and elementwise fusions to its YNNPACK library by default;
+# its dots are fast but its reductions slow at our shapes, so only dots go to it (figures in
+# benchmarks/README.md). Only CPU compilations read the flag.
+CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=individual_dot",)
+
+
+def use_cpu_xla_flags() -> None:
+    """Adds `CPU_XLA_FLAGS` to the XLA_FLAGS environment variable, unless the user set them.
+
+    Call it before JAX creates its backends (the CLIs do it first thing in ``main``); later
+    calls change nothing for the running process.
+    """
+    current = os.environ.get("XLA_FLAGS", "")
+    missing = [f for f in CPU_XLA_FLAGS if f.split("=")[0] not in current]
+    if missing:
+        os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+
+
+CACHE_ENV = "JAXGRPO_CACHE_DIR"
+
+
+def compilation_cache_dir() -> str | None:
+    """Where compiled programs are cached: ``$JAXGRPO_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/jaxgrpo/xla`` (``~/.cache/jaxgrpo/xla``); None when set to ``off``."""
+    value = os.environ.get(CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in ("", "off", "0", "none") else value
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxgrpo", "xla")
+
+
+def enable_compilation_cache() -> str | None:
+    """Turns on JAX's persistent compilation cache in ``compilation_cache_dir()``.
+
+    A program compiled once (same shapes, flags, devices and jax version) is then read from
+    disk by every later run instead of being compiled again, so a rerun of a config starts
+    training within seconds. Every program is cached, however fast it compiled.
+
+    Returns:
+      The cache directory, or None when the cache is off (``JAXGRPO_CACHE_DIR=off``).
+    """
+    import jax
+
+    path = compilation_cache_dir()
+    if path is None:
+        return None
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def prepare_cli() -> None:
+    """The process set-up every CLI does first: XLA:CPU flags and the allocator (before JAX
+    starts its backend and threads), quiet third-party advice, the compilation cache."""
+    use_cpu_xla_flags()
+    keep_freed_memory()
+    quiet_libraries()
+    enable_compilation_cache()
+
+
+def quiet_libraries() -> None:
+    """Silences advice that is noise for a jaxgrpo user (transformers' "PyTorch was not found":
+    jaxgrpo uses only its tokenizers). Call it before transformers is imported."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
+# glibc `mallopt` parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_MAX, _M_ARENA_MAX = -1, -4, -8
+
+
+def keep_freed_memory() -> bool:
+    """Makes glibc's malloc keep the memory XLA:CPU frees, for the program's next run to reuse.
+
+    XLA:CPU allocates its temporary and output buffers with malloc at every execution and frees
+    them after it. glibc serves the large ones with `mmap` (always, from worker threads, whose
+    arenas hold at most 64 MB) and returns them to the kernel on free, so every execution
+    page-faults its whole working set in again (the system time this costs is measured in
+    `benchmarks/README.md`). The cost is that the process keeps its peak heap.
+
+    It sets one malloc arena for all threads, no `mmap` allocations, and no trimming of the
+    heap. Call it first thing, before JAX (or torch) starts threads: an arena a thread already
+    has stays in use. The CLIs and benchmarks call it; set JAXGRPO_SYSTEM_MALLOC=1 to skip it.
+
+    Returns:
+        True if the settings were applied (Linux with glibc), else False.
+    """
+    if os.environ.get("JAXGRPO_SYSTEM_MALLOC") or not sys.platform.startswith("linux"):
+        return False
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc (e.g. musl has no mallopt)
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    # -1 is SIZE_MAX to glibc's size_t threshold: never trim.
+    settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
+    return all(mallopt(param, value) == 1 for param, value in settings)
+
+
+def initialize_distributed(
+    coordinator: str | None = None,
+    num_processes: int | None = None,
+    process_id: int | None = None,
+) -> bool:
+    """Starts JAX's multi-controller runtime when more than one process is requested.
+
+    Arguments default to the env vars JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and
+    JAX_PROCESS_ID. With a single process (the default) this is a no-op. On TPU pods, pass
+    num_processes=-1 to let JAX discover the topology itself.
+
+    Returns:
+        True if `jax.distributed.initialize` was called.
+    """
+    import jax  # here, not at the top: the other set-up must run before jax is imported
+
+    coordinator = coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if num_processes is None and "JAX_NUM_PROCESSES" in os.environ:
+        num_processes = int(os.environ["JAX_NUM_PROCESSES"])
+    if process_id is None and "JAX_PROCESS_ID" in os.environ:
+        process_id = int(os.environ["JAX_PROCESS_ID"])
+    if num_processes == -1:
+        jax.distributed.initialize()
+        return True
+    if not num_processes or num_processes <= 1:
+        return False
+    logging.getLogger(__name__).info(
+        "jax.distributed.initialize(%s, %d, %s)", coordinator, num_processes, process_id
+    )
+    jax.distributed.initialize(coordinator, num_processes, process_id)
+    return True
