@@ -27,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo import sharding
 from jaxgrpo.config_checks import check_batch_layout
@@ -78,7 +77,7 @@ class Learner:
         self.n_params = sum(x.size for x in jax.tree.leaves((params, frozen_state)))
         self.n_trainable = sum(x.size for x in jax.tree.leaves(params))
         self.frozen = _place(frozen_state, self.frozen_sh)
-        self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        self.replicated = sharding.replicated(self.mesh)
         self._check_batch_layout()
         self.updates_per_step = self.rl.ppo_epochs * self.rl.num_minibatches
         total = max(1, cfg.steps * self.updates_per_step)

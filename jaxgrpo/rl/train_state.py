@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxgrpo import sharding
 from jaxgrpo.types import Array, PyTree
 
 
@@ -171,11 +172,11 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: PyTree,
         A pytree of shardings matching `optimizer.init(params)`.
     """
     leaf = jax.tree.leaves(param_sh)[0]
-    replicated = jax.sharding.NamedSharding(leaf.mesh, jax.sharding.PartitionSpec())
+    replicated = sharding.replicated(leaf.mesh)
     abstract = jax.eval_shape(optimizer.init, params)
     return optax.tree_map_params(
         optimizer,
-        lambda _, sharding: sharding,
+        lambda _, param_sharding: param_sharding,
         abstract,
         param_sh,
         transform_non_params=lambda _: replicated,

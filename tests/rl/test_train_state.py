@@ -12,9 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
+from jaxgrpo import sharding
 from jaxgrpo.rl.train_state import (
     TrainState,
     clip_by_global_norm,
@@ -61,7 +60,7 @@ def test_clip_by_global_norm_equals_optax(max_norm):
 def _update_and_state(loss_fn):
     """`make_update_fn` over a one-device mesh, and a fresh state for a [4, 3] weight."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",))
-    r = NamedSharding(mesh, P())
+    r = sharding.replicated(mesh)
     params = {"w": jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10}
     param_sh = {"w": r}
     optimizer = optax.chain(clip_by_global_norm(1.0), optax.adamw(1e-2))
