@@ -59,7 +59,7 @@ QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B-Instruct config.json
 
 def load_models(name: str):
     """(our model, HF torch model, tokenizer) holding the same float32 weights."""
-    from jaxgrpo.train import smollm2_path
+    from jaxgrpo.build import smollm2_path
 
     gguf = smollm2_path()
     if name == "smollm2":

@@ -47,9 +47,9 @@ def _peak_rss_mb() -> float:
 
 def export_smollm2(out_dir: str) -> str:
     """The embedded GGUF as a float32 Hugging Face directory (both frameworks load this)."""
+    from jaxgrpo.build import smollm2_path
     from jaxgrpo.models import load_model
     from jaxgrpo.models.export import export_hf
-    from jaxgrpo.train import smollm2_path
 
     if not os.path.exists(os.path.join(out_dir, "config.json")):
         model, tokenizer = load_model(smollm2_path(), dtype="float32")

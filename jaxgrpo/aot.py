@@ -253,7 +253,7 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         programs.append(_compile("update", learner._update, args, calls, f, 3 * w))
     if want("eval"):
         tok = learner.tokenizer
-        # The arguments of jaxgrpo.rl.evaluation.evaluate's generate_from_state call.
+        # The arguments of jaxgrpo.eval.held_out.evaluate's generate_from_state call.
         kwargs = dict(max_new_tokens=t, temperature=0.0, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
         programs += _sampler(learner, "eval", n, p, kwargs, d)
     return programs

@@ -287,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _set_devices(args.topology if not args.table else "v5e-8")
     quiet_libraries()
     logging.basicConfig(level=logging.INFO, format="jaxgrpo.compile: %(message)s")
-    from jaxgrpo.evaluate import config_override  # imports jax: after _set_devices
+    from jaxgrpo.config import config_override  # imports jax: after _set_devices
 
     overrides = dict(config_override(a) for a in rest)
     if args.table:

@@ -12,13 +12,16 @@ from __future__ import annotations
 import ast
 import dataclasses
 import importlib.util
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
 
+from etils import epath
 from ml_collections import ConfigDict
 
 from jaxgrpo.config_checks import ConfigError, check_mesh, unknown_key_error, validate
+from jaxgrpo.configs import base
 from jaxgrpo.rl.losses import LOSS_PRESETS
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -324,6 +327,42 @@ def load_config(name: str, overrides: Mapping[str, Any] | None = None) -> TrainC
     cfg.lock()
     apply_overrides(cfg, overrides or {})
     return to_train_config(cfg)
+
+
+def config_override(text: str) -> tuple[str, Any]:
+    """``--config.a.b=v`` -> ("a.b", v) with v a Python literal when it parses as one."""
+    key, _, value = text.removeprefix("--config.").partition("=")
+    return key, _literal(value)
+
+
+def run_config(
+    config: str | None, run_dir: str | None, overrides: Mapping[str, Any]
+) -> TrainConfig:
+    """The ``TrainConfig`` of a run: ``config`` (file or shipped name) if given, else the run
+    directory's ``config.json`` (a local path or ``gs://``); then ``overrides`` (dotted keys)."""
+    if config:
+        return load_config(config, overrides)
+    path = epath.Path(run_dir or ".") / "config.json"
+    if not path.exists():
+        raise ConfigError(f"no --config given and no {path}; pass --config")
+    cfg = base.get_config()
+    _assign(cfg, json.loads(path.read_text()))
+    cfg.lock()
+    apply_overrides(cfg, overrides)
+    return to_train_config(cfg)
+
+
+def _assign(node: ConfigDict, values: Mapping[str, Any]) -> None:
+    """Copies a ``TrainConfig.to_dict()`` JSON into a ConfigDict (lists back to tuples)."""
+
+    def tuples(x):
+        return tuple(tuples(v) for v in x) if isinstance(x, list) else x
+
+    for key, value in values.items():
+        if key in node and isinstance(node[key], ConfigDict) and isinstance(value, dict):
+            _assign(node[key], value)
+        else:
+            node[key] = tuples(value)
 
 
 def resolve_mesh_shape(cfg: TrainConfig, num_devices: int) -> dict[str, int]:

@@ -17,9 +17,11 @@ from typing import Any
 from ml_collections import ConfigDict
 
 from jaxgrpo import presets
+from jaxgrpo.configs import base
 from jaxgrpo.data import TASKS
 from jaxgrpo.errors import UserError
 from jaxgrpo.models.config import LORA_TARGETS
+from jaxgrpo.rewards import REWARDS, Curriculum
 from jaxgrpo.rl.advantages import BASELINES, SCALES
 from jaxgrpo.rl.kl import KL_ESTIMATORS
 from jaxgrpo.rl.losses import LOSS_PRESETS
@@ -83,8 +85,6 @@ def _one_of(cfg: ConfigDict, key: str, options: tuple) -> None:
 
 
 def _check_rewards(cfg: ConfigDict) -> None:
-    from jaxgrpo.rewards import REWARDS, Curriculum
-
     functions = cfg.rewards.functions
     _require(len(functions) > 0, "rewards.functions", "needs at least one reward", functions)
     for i, entry in enumerate(functions):
@@ -272,8 +272,6 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
       num_devices: global device count, to check the mesh fits; None skips device-dependent
         checks (a -1 axis is then left unresolved).
     """
-    from jaxgrpo.configs import base
-
     _check_schema(cfg, base.get_config(), "")
     _require(cfg.steps >= 0, "steps", "must be >= 0", cfg.steps)
     _require(bool(cfg.run_dir), "run_dir", "must not be empty", cfg.run_dir)

@@ -23,18 +23,16 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-import jax
 from etils import epath
 
-from jaxgrpo import config as config_lib
-from jaxgrpo import sharding
+from jaxgrpo.build import build_mesh, load_policy, restore_params
 from jaxgrpo.checkpoint import Checkpointer
+from jaxgrpo.config import run_config
 from jaxgrpo.errors import UserError
-from jaxgrpo.evaluate import load_policy, restore_params, run_config
 from jaxgrpo.models.export import export_hf, export_peft
 from jaxgrpo.platform import prepare_cli
 
-# Model sources that are not Hugging Face checkpoints (jaxgrpo.train.build_model's aliases).
+# Model sources that are not Hugging Face checkpoints (jaxgrpo.build.build_model's aliases).
 _NON_HF_SOURCES = ("tiny", "smollm2")
 
 
@@ -91,7 +89,7 @@ def run_config_of(run_dir: str, peft: bool = False) -> Any:
 def trained_model(cfg: Any, run_dir: str, step: int | None) -> tuple[Any, Any, int]:
     """(model, tokenizer, step): the run's model with checkpoint ``step``'s parameters (None:
     the latest; 0: the model as built, untrained)."""
-    mesh = sharding.make_mesh(config_lib.resolve_mesh_shape(cfg, jax.device_count()))
+    mesh = build_mesh(cfg)
     if step == 0:
         model, tokenizer, _ = load_policy(cfg, None, mesh)
         return model, tokenizer, 0

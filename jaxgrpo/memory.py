@@ -362,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if bad:
         parser.error(f"unrecognized arguments: {' '.join(bad)}")
     from jaxgrpo import config as config_lib
-    from jaxgrpo.evaluate import config_override
+    from jaxgrpo.config import config_override
 
     overrides = dict(config_override(a) for a in rest)
     try:

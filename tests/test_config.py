@@ -8,8 +8,11 @@ import pytest
 from ml_collections import ConfigDict
 
 from jaxgrpo import config as config_lib
+from jaxgrpo.build import unroll_layers
 from jaxgrpo.config import ConfigError, load_config, shipped_configs, to_train_config
 from jaxgrpo.configs import base
+from jaxgrpo.configs.base import JUDGE_PROMPT
+from jaxgrpo.rl.losses import LOSS_PRESETS
 
 
 @pytest.mark.parametrize("name", shipped_configs())
@@ -130,8 +133,6 @@ def test_unknown_keys_and_wrong_types_in_a_config_file():
 
 
 def test_eval_section_defaults_are_the_seed_study_settings():
-    from jaxgrpo.eval_sampling import JUDGE_PROMPT
-
     ev = load_config("gsm8k_hard", {"eval.judge_prompt": "{question}? {completion}"}).eval
     assert (ev.num_samples, ev.max_new_tokens, ev.temperature, ev.top_p) == (8, 512, 0.6, 0.95)
     assert ev.judge_source == "" and ev.judge_prompt == "{question}? {completion}"
@@ -148,8 +149,6 @@ def test_mesh_fits_devices():
 
 
 def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu():
-    from jaxgrpo.train import unroll_layers
-
     def resolve(**overrides):
         return unroll_layers(
             load_config("tiny", {f"model.{k}": v for k, v in overrides.items()}).model
@@ -174,8 +173,6 @@ def test_train_config_is_frozen_and_typed():
 def test_every_loss_preset_and_objective_option_is_reachable():
     """Every loss type the loss module owns validates, and a preset brings its advantage
     scaling unless the config names one."""
-    from jaxgrpo.rl.losses import LOSS_PRESETS
-
     for loss_type in LOSS_PRESETS:
         cfg = load_config("tiny", {"rl.loss_type": loss_type})
         assert cfg.rl.loss_type == loss_type

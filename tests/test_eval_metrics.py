@@ -3,13 +3,14 @@
 The per-completion strict/lenient/format definitions are tested in tests/rl/test_accuracy.py."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxgrpo import eval_metrics as em
+from jaxgrpo.eval import metrics as em
 
 
 def _brute_pass_at_k(n: int, c: int, k: int) -> float:
@@ -31,8 +32,6 @@ def test_pass_at_k_equals_enumeration_over_subsets(n):
 @given(st.integers(1, 400), st.data())
 def test_pass_at_k_stable_for_large_n(n, data):
     """Product form vs exact integer binomials (math.comb), far beyond float factorials."""
-    import math
-
     c = data.draw(st.integers(0, n))
     k = data.draw(st.integers(1, n))
     exact = 1.0 - math.comb(n - c, k) / math.comb(n, k)

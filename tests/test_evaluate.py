@@ -11,25 +11,32 @@ import pytest
 from flax import nnx
 
 from jaxgrpo import config as config_lib
-from jaxgrpo import evaluate
+from jaxgrpo import sharding
+from jaxgrpo.build import build_model, build_task, restore_params
+from jaxgrpo.checkpoint import Checkpointer
+from jaxgrpo.configs.base import JUDGE_PROMPT
+from jaxgrpo.eval import cli
+from jaxgrpo.eval.judge import judge_says_yes, make_judge
+from jaxgrpo.rewards import RewardSet
+from jaxgrpo.rl.learner import Learner
 
 
 def settings_of(argv, run_dir=None):
     """(config, settings) the way ``evaluate_runs`` builds them from a command line."""
-    args = evaluate.parse_args(argv)
-    cfg = evaluate.run_config(args.config, run_dir, dict(args.overrides))
-    return cfg, evaluate.eval_settings(cfg, args)
+    args = cli.parse_args(argv)
+    cfg = config_lib.run_config(args.config, run_dir, dict(args.overrides))
+    return cfg, cli.eval_settings(cfg, args)
 
 
 def test_cli_defaults_are_the_seed_study_settings():
-    args = evaluate.parse_args(["--config", "gsm8k_hard", "--config.rl.beta=0.0"])
+    args = cli.parse_args(["--config", "gsm8k_hard", "--config.rl.beta=0.0"])
     assert args.overrides == [("rl.beta", 0.0)]
     _, settings = settings_of(["--config", "gsm8k_hard", "--config.rl.beta=0.0"])
     assert (settings.max_new_tokens, settings.temperature, settings.top_p) == (512, 0.6, 0.95)
     assert settings.num_samples == 8 and settings.split == "test"
-    assert settings.judge_source == "" and settings.judge_prompt == evaluate.JUDGE_PROMPT
+    assert settings.judge_source == "" and settings.judge_prompt == JUDGE_PROMPT
     with pytest.raises(SystemExit):
-        evaluate.parse_args(["--bogus"])
+        cli.parse_args(["--bogus"])
 
 
 def test_flags_override_the_config_eval_section():
@@ -48,20 +55,20 @@ def test_flags_override_the_config_eval_section():
     for arg, match in bad:
         with pytest.raises(config_lib.ConfigError, match=match):
             settings_of(["--config", "tiny", arg])
-    assert evaluate.main(["--config", "tiny", "--num_samples", "0"]) == 2
+    assert cli.main(["--config", "tiny", "--num_samples", "0"]) == 2
 
 
 def test_run_config_round_trips_config_json(tmp_path):
     cfg = config_lib.load_config("gsm8k_curriculum", {"run_dir": str(tmp_path)})
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    again = evaluate.run_config(None, str(tmp_path), {"rl.beta": 0.0})
+    again = config_lib.run_config(None, str(tmp_path), {"rl.beta": 0.0})
     assert again.to_dict() == {**cfg.to_dict(), "rl": {**cfg.to_dict()["rl"], "beta": 0.0}}
     with pytest.raises(config_lib.ConfigError, match="unknown config key 'eval.bogus'"):
-        evaluate.run_config(None, str(tmp_path), {"eval.bogus": 1})
+        config_lib.run_config(None, str(tmp_path), {"eval.bogus": 1})
     with pytest.raises(config_lib.ConfigError, match="config key 'eval.top_p'"):
-        evaluate.run_config(None, str(tmp_path), {"eval.top_p": "high"})
+        config_lib.run_config(None, str(tmp_path), {"eval.top_p": "high"})
     with pytest.raises(config_lib.ConfigError, match="pass --config"):
-        evaluate.run_config(None, str(tmp_path / "nowhere"), {})
+        config_lib.run_config(None, str(tmp_path / "nowhere"), {})
 
 
 @pytest.mark.parametrize(
@@ -70,19 +77,13 @@ def test_run_config_round_trips_config_json(tmp_path):
      ("Yesterday", False), ("not yes", False), ("", False)],
 )  # fmt: skip
 def test_judge_reads_the_first_word(reply, yes):
-    assert evaluate.judge_says_yes(reply) is yes
+    assert judge_says_yes(reply) is yes
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     """A run directory holding config.json and a step-3 checkpoint whose LoRA B is non-zero
     (so the trained policy differs from the base), written the way train.py writes them."""
-    from jaxgrpo import sharding
-    from jaxgrpo.checkpoint import Checkpointer
-    from jaxgrpo.rewards import RewardSet
-    from jaxgrpo.rl.learner import Learner
-    from jaxgrpo.train import build_model, build_task
-
     run_dir = str(tmp_path_factory.mktemp("tiny_run"))
     cfg = config_lib.load_config("tiny", {"run_dir": run_dir})
     mesh = sharding.make_mesh(config_lib.resolve_mesh_shape(cfg, jax.device_count()))
@@ -111,9 +112,9 @@ def test_checkpoint_params_are_restored_into_the_model(tiny_run):
     """The fixture's own model (still untrained: the learner perturbed a copy) gets the
     checkpoint's LoRA; building another tiny model would cost most of this test's time."""
     run_dir, saved, (model, tokenizer, mesh) = tiny_run
-    cfg = evaluate.run_config(None, run_dir, {})
+    cfg = config_lib.run_config(None, run_dir, {})
     before = jax.device_get(nnx.state(model, nnx.LoRAParam))
-    assert evaluate.restore_params(cfg, model, tokenizer, run_dir, mesh) == 3
+    assert restore_params(cfg, model, tokenizer, run_dir, mesh) == 3
     restored = jax.device_get(nnx.state(model, nnx.LoRAParam))
     for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(saved), strict=True):
         np.testing.assert_array_equal(a, b)
@@ -150,7 +151,7 @@ def test_config_judge_prompt_reaches_the_judge(tiny_run):
     argv += ["--config.eval.judge_source=tiny", "--num_samples", "2", "--batch_size", "2"]
     cfg, settings = settings_of(argv, run_dir)
     assert settings.judge_prompt == prompt and settings.judge_source == "tiny"
-    judge = evaluate.make_judge(cfg, settings, mesh)
+    judge = make_judge(cfg, settings, mesh)
     judge.tokenizer = RecordingTokenizer(judge.tokenizer)
     examples = [{"messages": [{"role": "user", "content": "Copy this integer: 7"}], "answer": "7"}]
     verdicts = judge(examples, ["<answer>7</answer>", "8"])
@@ -167,7 +168,7 @@ def test_evaluate_checkpoint_and_base_side_by_side(tiny_run, tmp_path):
     out = tmp_path / "eval.json"
     argv = ["--checkpoint", run_dir, "--base", "--num_samples", "3", "--max_examples", "2"]
     argv += ["--max_new_tokens", "6", "--batch_size", "2", "--out", str(out), "--judge", "tiny"]
-    assert evaluate.main(argv) == 0
+    assert cli.main(argv) == 0
     data = json.loads(out.read_text())
     label = os.path.basename(run_dir)
     assert list(data["runs"]) == ["base", label]
@@ -200,7 +201,7 @@ def test_smollm2_on_gsm8k_fixture(tmp_path):
     argv += ["--batch_size", "2", "--out", str(out), "--config.model.lora_rank=0"]
     argv += ["--config.model.dtype='float32'", "--config.model.param_dtype='float32'"]
     argv += ["--tasks", "jeebench:fixture"]
-    assert evaluate.main(argv) == 0
+    assert cli.main(argv) == 0
     tasks = json.loads(out.read_text())["runs"]["base"]["tasks"]
     assert list(tasks) == ["gsm8k", "jeebench"] and len(tasks["jeebench"]["records"]) == 4
     header = (tmp_path / "smol.md").read_text().split("\n")[0]

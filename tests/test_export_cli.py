@@ -18,9 +18,9 @@ from flax import nnx
 
 from jaxgrpo import config as config_lib
 from jaxgrpo import export, sharding, train
+from jaxgrpo.build import load_policy
 from jaxgrpo.checkpoint import Checkpointer
-from jaxgrpo.config import load_config
-from jaxgrpo.evaluate import load_policy, run_config
+from jaxgrpo.config import load_config, run_config
 from jaxgrpo.models import SafetensorsFiles
 
 # Checked before the module's run is trained, so a base install skips without training.

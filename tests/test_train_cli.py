@@ -10,10 +10,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
-from jaxgrpo import sharding, train
+from jaxgrpo import build, sharding, train
+from jaxgrpo.checkpoint import Checkpointer
 from jaxgrpo.config import ConfigError, load_config
 from jaxgrpo.data import get_task
+from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.rewards import RewardSet
+from jaxgrpo.rl.tiny import tiny_model_config, tiny_tokenizer
+from jaxgrpo.runtime import RunFiles
 
 
 def _cli(args, cwd):
@@ -119,8 +126,6 @@ def test_resume_equals_uninterrupted_and_crosses_epochs(tmp_path):
 
 
 def test_sigterm_finishes_the_step_and_checkpoints(tmp_path):
-    from jaxgrpo.checkpoint import Checkpointer
-
     task = get_task("format_copy", num_train=16, num_eval=4)
     learner = _ToyLearner(stop_at=3)
     cfg = _cfg(tmp_path, steps=10, **{"checkpoint.every": 0})
@@ -133,29 +138,22 @@ def test_sigterm_finishes_the_step_and_checkpoints(tmp_path):
 
 
 def test_build_task_applies_the_task_section():
-    task = train.build_task(load_config("tiny", {"task.system_prompt": "Be terse."}).task)
+    task = build.build_task(load_config("tiny", {"task.system_prompt": "Be terse."}).task)
     examples = task.eval_examples()
     assert len(examples) == 4, "task.num_eval sizes format_copy's held-out set"
     assert examples[0]["messages"][0] == {"role": "system", "content": "Be terse."}
     with pytest.raises(ConfigError, match="config key 'task.prompt_template'"):
-        train.build_task(load_config("tiny", {"task.prompt_template": "r1"}).task)
+        build.build_task(load_config("tiny", {"task.prompt_template": "r1"}).task)
     with pytest.raises(ConfigError, match="config key 'task.name'.*known: .*format_copy"):
         load_config("tiny", {"task.name": "no_such_task"})  # validation knows the tasks
 
 
 def test_perplexity_reward_gets_the_frozen_base_model():
-    from flax import nnx
-
-    from jaxgrpo.models.config import LoRAConfig
-    from jaxgrpo.models.transformer import Transformer
-    from jaxgrpo.rewards import RewardSet
-    from jaxgrpo.rl.tiny import tiny_model_config, tiny_tokenizer
-
     # The abstract model (shapes only): binding snapshots the state without running it.
     cfg = tiny_model_config(LoRAConfig(rank=4, alpha=8.0))
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     tokenizer = tiny_tokenizer()
-    specs = train.bind_model_rewards([("perplexity", 2.0), ("format_copy", 0.5)], model, tokenizer)
+    specs = build.bind_model_rewards([("perplexity", 2.0), ("format_copy", 0.5)], model, tokenizer)
     assert specs[1] == ("format_copy", 0.5)
     assert callable(specs[0][0]) and specs[0][1] == 2.0
     # Scoring compiles the model (tens of seconds here); the reported name is what matters.
@@ -163,12 +161,10 @@ def test_perplexity_reward_gets_the_frozen_base_model():
 
 
 def test_smollm2_alias_points_at_the_embedded_gguf(smollm2_gguf):
-    assert os.path.samefile(train.smollm2_path(), smollm2_gguf)
+    assert os.path.samefile(build.smollm2_path(), smollm2_gguf)
 
 
 def test_run_files_for_remote_run_dirs(tmp_path, monkeypatch):
-    from jaxgrpo.runtime import RunFiles
-
     monkeypatch.chdir(tmp_path)
     remote = RunFiles("gs://bucket/runs/exp/", process=1)  # process 1 touches no storage
     assert remote.remote and remote.local_dir == os.path.join("runs", "exp")

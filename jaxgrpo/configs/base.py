@@ -6,7 +6,12 @@ keys exist and their types) is this file: ``jaxgrpo.config.validate`` rejects an
 
 from ml_collections import ConfigDict
 
-from jaxgrpo.eval_sampling import JUDGE_PROMPT
+# The judge's default user message (eval.judge_prompt), filled in per completion.
+JUDGE_PROMPT = (
+    "Question:\n{question}\n\nReference answer: {reference}\n\nStudent's solution:\n"
+    "{completion}\n\nDoes the student's solution reach the reference answer? "
+    "Reply with one word: yes or no."
+)
 
 
 def _model() -> ConfigDict:

@@ -30,9 +30,10 @@ from flax import nnx
 
 from jaxgrpo import sharding
 from jaxgrpo.config_checks import check_batch_layout
+from jaxgrpo.eval import held_out
 from jaxgrpo.models.lora import zero_lora
-from jaxgrpo.rl import evaluation, step_metrics
 from jaxgrpo.rl import rollout as ro
+from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.logprobs import make_logprobs_fn
 from jaxgrpo.rl.objective import ObjectiveSpec, make_loss_fn
 from jaxgrpo.rl.train_state import (
@@ -429,7 +430,7 @@ class Learner:
 
     def evaluate(self, state: TrainState, examples: Sequence[dict]) -> dict[str, float]:
         """Greedy completions of `examples`: strict/lenient accuracy, reward, length."""
-        return evaluation.evaluate(self, state, examples)
+        return held_out.evaluate(self, state, examples)
 
 
 def _place(tree, shardings):

@@ -21,8 +21,8 @@ import flax.struct
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo.eval import accuracy
 from jaxgrpo.models.tokenizer import bucket_length
-from jaxgrpo.rl import accuracy
 from jaxgrpo.types import Array
 
 

@@ -5,7 +5,7 @@ Key names (the logger's progress bar and dead-run check read the first group):
     reward/mean, reward/std, kl/mean, completion/truncated_frac, time/{sampling,rewards,update}
     reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
     reward/<fn>/failed_frac     fraction of samples the function could not score (raised/None)
-    strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.rl.accuracy, when the task has
+    strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.eval.accuracy, when the task has
                                 an answer column (held out, eval_metrics: the same names)
     adv/{mean,std,min,max}, adv/frac_zero_std_groups
     completion/length_mean, completion/length_correct, completion/length_incorrect
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgrpo.rl import accuracy
+from jaxgrpo.eval import accuracy
 from jaxgrpo.rl.advantages import group_advantages
 from jaxgrpo.rl.rollout import Rollout, columns_for
 from jaxgrpo.sampling import StopReason
@@ -170,7 +170,7 @@ def eval_metrics(
     lengths: Sequence[int],
     truncated: Sequence[bool],
 ) -> dict[str, float]:
-    """Strict/lenient accuracy and format rate (``jaxgrpo.rl.accuracy``), reward and length of
+    """Strict/lenient accuracy and format rate (``jaxgrpo.eval.accuracy``), reward and length of
     one completion per example."""
     columns = columns_for(examples, 1)
     scored = {**columns, "completion_lengths": [int(n) for n in lengths]}  # length_penalty

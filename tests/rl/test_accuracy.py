@@ -4,9 +4,10 @@ numbers from the training metrics, held-out evaluation and ``jaxgrpo.evaluate``'
 import numpy as np
 import pytest
 
-from jaxgrpo import eval_metrics
+from jaxgrpo.eval import accuracy
+from jaxgrpo.eval import metrics as eval_metrics
 from jaxgrpo.rewards.math import MATH_VERIFY, exact_answer
-from jaxgrpo.rl import accuracy, step_metrics
+from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.rollout import Rollout
 
 CASES = [

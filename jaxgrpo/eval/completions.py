@@ -1,0 +1,131 @@
+"""Completions of many prompts in fixed-shape batches over the mesh: the one generation loop of
+evaluation, for a model (``sample``) and for the learner's split state (``held_out``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxgrpo import sharding
+from jaxgrpo.config import EvalConfig
+from jaxgrpo.sampling import StopReason, generate_from_state
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """How an evaluation samples and judges: the config's ``eval`` section (its defaults, the
+    seed study's, are in ``configs/base.py``) plus the split, example cap and seed."""
+
+    split: str
+    num_samples: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    max_examples: int | None
+    batch_size: int
+    seed: int
+    judge_source: str
+    judge_prompt: str
+
+    @classmethod
+    def from_config(
+        cls,
+        eval_cfg: EvalConfig,
+        *,
+        split: str = "test",
+        max_examples: int | None = None,
+        seed: int = 0,
+        **changes: Any,
+    ) -> Settings:
+        """The settings of ``eval_cfg`` (``every`` is the trainer's), ``changes`` replacing
+        fields of it (e.g. ``num_samples=2``)."""
+        fields = {k: v for k, v in dataclasses.asdict(eval_cfg).items() if k != "every"}
+        return cls(split=split, max_examples=max_examples, seed=seed, **(fields | changes))
+
+
+def complete(
+    graphdef: Any,
+    states: Sequence[Any],
+    model_cfg: Any,
+    tokenizer: Any,
+    messages: list,
+    mesh: Any,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    num_samples: int = 1,
+    **knobs: Any,
+) -> dict[str, list]:
+    """Completions of every prompt, ``num_samples`` each, ``batch_size`` prompts per call.
+
+    A fixed batch shape (the last batch padded with its final prompt) compiles once; the
+    padding's completions are dropped. Prompt rows are sharded as in training.
+
+    Args:
+      graphdef / states / model_cfg: the split model, as for ``generate_from_state``.
+      tokenizer: its ``encode_chat`` gives the left-padded prompts.
+      messages: [B] chats.
+      mesh: the device mesh.
+      batch_size: prompts per call.
+      seed: batch i samples with ``fold_in(key(seed), i)``.
+      num_samples: completions per prompt (G).
+      **knobs: ``generate``'s other keyword arguments (``max_new_tokens``, ``temperature``...).
+
+    Returns:
+      ``texts`` [B * G], ``lengths``, ``truncated`` and ``tokens`` (lists of ids), grouped by
+      prompt.
+    """
+    out: dict[str, list] = {"texts": [], "lengths": [], "truncated": [], "tokens": []}
+    key = jax.random.key(seed)
+    for i, start in enumerate(range(0, len(messages), batch_size)):
+        chunk = messages[start : start + batch_size]
+        padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        ids, mask = tokenizer.encode_chat(padded)
+        res = generate_from_state(
+            graphdef,
+            states,
+            model_cfg,
+            sharding.put_batch(ids, mesh),
+            sharding.put_batch(mask, mesh),
+            rng=jax.random.fold_in(key, i),
+            eos_ids=tokenizer.eos_ids,
+            num_samples=num_samples,
+            pad_id=tokenizer.pad_id,
+            **knobs,
+        )
+        keep = len(chunk) * num_samples
+        tokens, tmask = sharding.to_host(res.tokens)[:keep], sharding.to_host(res.mask)[:keep]
+        stop = sharding.to_host(res.stop_reason)[:keep]
+        out["texts"] += tokenizer.batch_decode(tokens, tmask)
+        out["lengths"] += tmask.sum(-1).tolist()
+        out["truncated"] += (stop == int(StopReason.LENGTH)).tolist()
+        out["tokens"] += [t[m > 0].tolist() for t, m in zip(tokens, tmask, strict=True)]
+    return out
+
+
+def sample(model, tokenizer, messages: list, settings: Settings, mesh, *, greedy=False) -> dict:
+    """``complete`` for a model with ``settings``' knobs; ``greedy``: one 4-token greedy reply
+    per prompt (the judge's).
+
+    Returns:
+      ``texts`` [B * n], ``lengths``, ``truncated`` and ``tokens``, grouped by prompt.
+    """
+    graphdef, state = nnx.split(model)
+    return complete(
+        graphdef,
+        (state,),
+        model.cfg,
+        tokenizer,
+        messages,
+        mesh,
+        batch_size=settings.batch_size,
+        seed=settings.seed,
+        num_samples=1 if greedy else settings.num_samples,
+        max_new_tokens=4 if greedy else settings.max_new_tokens,
+        temperature=0.0 if greedy else settings.temperature,
+        top_p=1.0 if greedy else settings.top_p,
+    )

@@ -1,0 +1,46 @@
+"""Greedy evaluation of the current policy on held-out examples during training (strict and
+lenient accuracy and format rate, as ``jaxgrpo.eval.accuracy`` defines them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from jaxgrpo.eval.completions import complete
+from jaxgrpo.rl import step_metrics
+
+
+def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, float]:
+    """Greedy completions of ``examples``: strict/lenient accuracy, format rate, reward, length.
+
+    Batches hold ``prompts_per_step * group_size`` prompts (the training batch's row count, so
+    the sharding that fits training fits here).
+
+    Args:
+        learner: the ``Learner`` (its compiled model, tokenizer, rewards and mesh are used).
+        state: the ``TrainState`` whose parameters are evaluated.
+        examples: task examples.
+
+    Returns:
+        ``jaxgrpo.rl.step_metrics.eval_metrics`` of the completions.
+    """
+    examples = list(examples)
+    if not examples:
+        return {}
+    tok = learner.tokenizer
+    messages = [ex["messages"] for ex in examples]
+    out = complete(
+        learner.graphdef,
+        (state.params, learner.frozen),
+        learner.model_cfg,
+        tok,
+        messages,
+        learner.mesh,
+        batch_size=learner.rl.prompts_per_step * learner.rl.group_size,
+        max_new_tokens=learner.cfg.sampling.max_new_tokens,
+        temperature=0.0,
+    )
+    prompts = [tok.apply_chat_template(m) for m in messages]
+    return step_metrics.eval_metrics(
+        learner.reward_set, examples, prompts, out["texts"], out["lengths"], out["truncated"]
+    )
