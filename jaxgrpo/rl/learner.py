@@ -33,6 +33,7 @@ from jaxgrpo.config_checks import check_batch_layout
 from jaxgrpo.eval import held_out
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
+from jaxgrpo.rl.kl import kl_penalized_rewards
 from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.logprobs import make_logprobs_fn
 from jaxgrpo.rl.objective import ObjectiveSpec, make_loss_fn
@@ -388,9 +389,10 @@ class Learner:
             behaviour = (
                 sharding.to_host(old_logp) if self.old_from == "forward" else r.logprobs[:, :t]
             )
-            kl_NT = np.where(mask > 0, behaviour - sharding.to_host(ref_logp), 0.0)
-            extra["kl_in_reward"] = kl_NT.sum(-1)
-            rewards = rewards - self.rl.beta * extra["kl_in_reward"]
+            penalized, kl_R = kl_penalized_rewards(
+                rewards, behaviour, sharding.to_host(ref_logp), mask, self.rl.beta
+            )
+            rewards, extra["kl_in_reward"] = np.asarray(penalized), np.asarray(kl_R)
         adv, adv_metrics = step_metrics.advantages(
             rewards, self.rl.group_size, self.rl.adv_scale, self.rl.baseline
         )
