@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+from tqdm.auto import tqdm
 
 REWARD_MEAN = "reward/mean"
 REWARD_STD = "reward/std"
@@ -36,8 +37,6 @@ _WARNED: set[str] = set()
 def console(message: str, *, error: bool = False) -> None:
     """Prints one line for the user (stdout, or stderr with ``error``) without breaking a
     progress bar that is being drawn."""
-    from tqdm.auto import tqdm
-
     tqdm.write(message, file=sys.stderr if error else sys.stdout)
     (sys.stderr if error else sys.stdout).flush()
 
@@ -161,6 +160,7 @@ class MetricsLogger:
         self._metrics_file = open(self.metrics_path, "a", encoding="utf-8")  # noqa: SIM115
         self._samples_file = open(self.samples_path, "a", encoding="utf-8")  # noqa: SIM115
         if tensorboard:
+            # Local: tensorboardX loads protobuf; only runs that log to TensorBoard need it.
             from tensorboardX import SummaryWriter
 
             self._tb = SummaryWriter(logdir=os.path.join(run_dir, "tensorboard"))
@@ -221,7 +221,7 @@ def _jsonable(value: Any) -> Any:
 
 
 def _init_wandb(run_dir: str, project: str, config: Mapping[str, Any] | None):
-    try:
+    try:  # wandb is optional (not a dependency): imported only when a run asks for it
         import wandb
     except ImportError:
         warn_once("wandb/missing", "logging.wandb=True but wandb is not installed; skipping W&B")
@@ -237,8 +237,6 @@ class ProgressBar:
     def __init__(self, total: int, initial: int = 0, enabled: bool = True):
         self._bar = None
         if enabled:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(
                 total=total, initial=initial, desc="train", dynamic_ncols=True, file=sys.stdout
             )

@@ -1,5 +1,6 @@
 """MetricsLogger sinks, resume truncation, process gating, progress text and dead-run warnings."""
 
+import importlib.util
 import json
 import math
 
@@ -88,8 +89,6 @@ def test_progress_text_and_dead_run_warnings(capsys):
 
 
 def test_wandb_enabled_but_not_installed_warns_and_keeps_logging(tmp_path, capsys):
-    import importlib.util
-
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here; this checks the missing-package path")
     jlog._WARNED.clear()

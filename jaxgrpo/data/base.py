@@ -27,6 +27,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
+
 from jaxgrpo.errors import UserError, require
 
 Example = dict[str, Any]
@@ -233,8 +235,6 @@ def split_by_hash(
 
 def shuffled(examples: Sequence[Example], seed: int) -> list[Example]:
     """A deterministic permutation of ``examples`` by ``seed`` (no global RNG state touched)."""
-    import numpy as np
-
     order = np.random.default_rng(seed).permutation(len(examples))
     return [examples[i] for i in order]
 

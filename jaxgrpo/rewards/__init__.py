@@ -1,4 +1,5 @@
-"""Reward functions by name: the registry configs refer to, and user functions by dotted path.
+"""Reward functions: the package's own, the registry configs refer to them by (``registry``),
+user functions by dotted path, and ``RewardSet`` (``combine``), which calls them.
 
 Configs say ``rewards = [("exact_answer", 1.0), ("format", 0.2)]``; see ``combine.RewardSet``.
 
@@ -32,98 +33,21 @@ to the data format it was written for. A function that raises or returns None fo
 sample of ``rewards.max_failed_steps`` consecutive steps stops the run with a
 ``RewardError`` naming it and a failing sample.
 
-Model-based rewards (``embedding``, ``perplexity``) are imported on first call, so importing
-this package loads no model.
+Model-based rewards (``embedding``, ``perplexity``) import the model code and load their
+weights on first call, so importing this package loads no model.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-from collections.abc import Callable
-
 from jaxgrpo.rewards.bleu import bleu
 from jaxgrpo.rewards.code import code_tests
-from jaxgrpo.rewards.combine import (
-    Curriculum,
-    RewardError,
-    RewardSet,
-    TrainerState,
-    _embedding,
-    embedding_bleu,
-    hard_soft,
-)
+from jaxgrpo.rewards.combine import Curriculum, RewardError, RewardSet, TrainerState
 from jaxgrpo.rewards.format import format_copy, format_r1, format_strict
+from jaxgrpo.rewards.hybrid import embedding_bleu, hard_soft
 from jaxgrpo.rewards.length import length_penalty, repetition_penalty
 from jaxgrpo.rewards.math import exact_answer
+from jaxgrpo.rewards.registry import REWARDS, get_reward, reward_name
 from jaxgrpo.rewards.sonnet import sonnet_form, sonnet_lines, sonnet_meter, sonnet_rhyme
-
-
-def _perplexity(prompts, completions, **kwargs):
-    # Imported on first use: the perplexity reward runs the base model.
-    from jaxgrpo.rewards.perplexity import perplexity
-
-    return perplexity(prompts, completions, **kwargs)
-
-
-REWARDS: dict[str, Callable[..., list]] = {
-    "exact_answer": exact_answer,
-    "format": format_strict,
-    "format_r1": format_r1,
-    "format_copy": format_copy,
-    "bleu": bleu,
-    "embedding": _embedding,
-    "perplexity": _perplexity,
-    "embedding_bleu": embedding_bleu,
-    "hard_soft": hard_soft,
-    "sonnet_lines": sonnet_lines,
-    "sonnet_rhyme": sonnet_rhyme,
-    "sonnet_meter": sonnet_meter,
-    "sonnet_form": sonnet_form,
-    "code_tests": code_tests,
-    "length_penalty": length_penalty,
-    "repetition_penalty": repetition_penalty,
-}
-
-
-def reward_name(target: str | Callable) -> str:
-    """The name a reward is reported under: its registry name, dotted path, or ``__name__``."""
-    if isinstance(target, str):
-        return target
-    for name, fn in REWARDS.items():
-        if fn is target:
-            return name
-    return getattr(target, "__name__", type(target).__name__)
-
-
-def get_reward(target: str | Callable, **kwargs) -> Callable[..., list]:
-    """A reward function by registry name, dotted path (``"my_pkg.rewards.fn"`` or
-    ``"my_pkg.rewards:fn"``), or a callable, with ``kwargs`` bound (``functools.partial``).
-
-    Raises:
-      ValueError: an unknown name, listing the known ones.
-    """
-    if callable(target):
-        fn = target
-    elif target in REWARDS:
-        fn = REWARDS[target]
-    elif "." in target or ":" in target:
-        module_name, _, attr = target.replace(":", ".").rpartition(".")
-        try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as error:
-            raise ValueError(f"cannot import reward function {target!r}: {error}") from error
-    else:
-        raise ValueError(
-            f"unknown reward {target!r}; known: {sorted(REWARDS)} (or a dotted path "
-            "'package.module.function')"
-        )
-    if not kwargs:
-        return fn
-    bound = functools.partial(fn, **kwargs)
-    bound.__name__ = reward_name(target)
-    return bound
-
 
 __all__ = [
     "REWARDS",

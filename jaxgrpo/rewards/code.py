@@ -42,7 +42,7 @@ import subprocess
 import sys
 import tempfile
 
-from jaxgrpo.rewards import sandbox_runner
+import jaxgrpo.rewards.sandbox_runner as sandbox_runner
 
 _CODE_BLOCK_RE = re.compile(r"```([A-Za-z0-9_+-]*)[ \t]*\n(.*?)```", re.DOTALL)
 

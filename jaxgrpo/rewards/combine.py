@@ -1,4 +1,4 @@
-"""Combining rewards: curricula (weights over training steps), hybrid rewards, and ``RewardSet``.
+"""Combining rewards: curricula (weights over training steps) and ``RewardSet``.
 
 ``RewardSet`` is what the learner calls once per step: it runs every reward function on the
 batch's completions, turns ``None`` into NaN, and returns the weighted total with the weights of
@@ -20,8 +20,7 @@ from typing import Any
 import numpy as np
 
 from jaxgrpo.errors import UserError
-from jaxgrpo.rewards.bleu import bleu
-from jaxgrpo.rewards.math import exact_answer
+from jaxgrpo.rewards.registry import get_reward, reward_name
 
 RewardFn = Callable[..., list]
 _LOG = logging.getLogger(__name__)
@@ -77,60 +76,6 @@ class Curriculum:
         if self.kind == "linear":
             return float(self.start + (self.end - self.start) * t)
         return float(self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * t)))
-
-
-def _embedding(prompts, completions, **columns):
-    # Imported on first use: the encoder loads weights, which a module import must not do.
-    from jaxgrpo.rewards.embedding import embedding
-
-    return embedding(prompts, completions, **columns)
-
-
-def _mix(parts: Sequence[tuple[float, list]]) -> list[float | None]:
-    out = []
-    for values in zip(*(p for _, p in parts), strict=True):
-        if any(v is None for v in values):
-            out.append(None)
-        else:
-            out.append(sum(w * float(v) for (w, _), v in zip(parts, values, strict=True)))
-    return out
-
-
-def embedding_bleu(
-    prompts: list[str],
-    completions: list[str],
-    *,
-    reference: list,
-    embedding_fn: RewardFn | None = None,
-    **columns,
-) -> list[float | None]:
-    """The seed study's hybrid: ``r = 0.7 * cos + 0.3 * BLEU``.
-
-    ``cos`` is the ``embedding`` reward (cosine of sentence embeddings of the reasoning and the
-    reference) and ``BLEU`` the ``bleu`` reward in [0, 1]; None where either is None.
-    ``embedding_fn`` replaces the default encoder reward (same signature).
-    """
-    cosine = (embedding_fn or _embedding)(prompts, completions, reference=reference, **columns)
-    return _mix([(0.7, cosine), (0.3, bleu(prompts, completions, reference=reference))])
-
-
-def hard_soft(
-    prompts: list[str],
-    completions: list[str],
-    *,
-    answer: list,
-    reference: list,
-    hard_weight: float = 0.5,
-    embedding_fn: RewardFn | None = None,
-    **columns,
-) -> list[float | None]:
-    """``r = hard_weight * exact_answer + (1 - hard_weight) * embedding``; None where either is.
-
-    Pass ``hard_weight`` with ``get_reward("hard_soft", hard_weight=0.8)``.
-    """
-    hard = exact_answer(prompts, completions, answer=answer)
-    soft = (embedding_fn or _embedding)(prompts, completions, reference=reference, **columns)
-    return _mix([(hard_weight, hard), (1.0 - hard_weight, soft)])
 
 
 class RewardError(UserError, ValueError):
@@ -200,8 +145,6 @@ class RewardSet:
     """
 
     def __init__(self, specs: Sequence[Sequence[Any]], on_error: str = "none"):
-        from jaxgrpo.rewards import get_reward, reward_name
-
         if on_error not in ("none", "raise"):
             raise ValueError(f"on_error must be 'none' or 'raise', got {on_error!r}")
         self.on_error = on_error

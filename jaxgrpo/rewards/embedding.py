@@ -33,7 +33,8 @@ def reasoning_text(completion: str) -> str:
 @functools.lru_cache(maxsize=4)
 def load_encoder(path: str | None = None):
     """The sentence encoder at ``path`` (default MiniLM), loaded once per path and cached."""
-    from jaxgrpo.models.encoder import SentenceEncoder  # Local: keeps `import jaxgrpo` light.
+    # Local: jax, flax and the model stack load only when a run uses this reward.
+    from jaxgrpo.models.encoder import SentenceEncoder
 
     return SentenceEncoder.from_pretrained(path)
 

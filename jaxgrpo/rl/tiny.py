@@ -13,7 +13,12 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from flax import nnx
+
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.init import random_model
+from jaxgrpo.models.tokenizer import Tokenizer
+from jaxgrpo.models.transformer import Transformer
 
 TINY_VOCAB = 384
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -55,6 +60,7 @@ def tiny_model_config(lora: LoRAConfig | None = None, dtype: str = "float32") ->
 
 @functools.cache
 def _hf_tokenizer():
+    # Local: transformers takes seconds to import, and only the tiny source trains a tokenizer.
     from tokenizers import Tokenizer as RawTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -79,8 +85,6 @@ def _hf_tokenizer():
 
 def tiny_tokenizer():
     """A `jaxgrpo.models.tokenizer.Tokenizer` over the tiny BPE vocabulary (<= TINY_VOCAB ids)."""
-    from jaxgrpo.models.tokenizer import Tokenizer
-
     return Tokenizer(_hf_tokenizer())
 
 
@@ -108,13 +112,7 @@ def tiny_model(
     """
     cfg = tiny_model_config(lora, dtype).replace(unroll_layers=unroll_layers)
     if mesh is not None:
-        from jaxgrpo.models.init import random_model
-
         model = random_model(cfg, seed, mesh=mesh, rules=rules)
     else:
-        from flax import nnx
-
-        from jaxgrpo.models.transformer import Transformer
-
         model = Transformer(cfg, rngs=nnx.Rngs(seed))
     return model, tiny_tokenizer()

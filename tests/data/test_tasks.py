@@ -4,6 +4,7 @@ import pytest
 
 from jaxgrpo import data
 from jaxgrpo.data.base import ANSWER_TAG_INSTRUCTION, R1_SYSTEM_PROMPT, prompt_key
+from jaxgrpo.rewards import REWARDS
 
 FIXTURE_TASKS = ["gsm8k", "gsm8k_r1_traces", "math", "sonnets", "code"]
 
@@ -31,8 +32,6 @@ def test_config_style_kwargs_empty_means_default_and_alias():
 
 
 def test_default_rewards_are_registered():
-    from jaxgrpo.rewards import REWARDS
-
     for name, cls in data.TASKS.items():
         task = cls()
         for reward, weight in task.default_rewards:

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from jaxgrpo.models.encoder import default_encoder_path
 from jaxgrpo.rewards import embedding as emb
 
 REFERENCE = "She sold 48 clips in April and half as many, 24, in May, so 72 clips in total."
@@ -10,8 +11,6 @@ REFERENCE = "She sold 48 clips in April and half as many, 24, in May, so 72 clip
 
 @pytest.fixture(scope="module")
 def encoder():
-    from jaxgrpo.models.encoder import default_encoder_path
-
     try:
         default_encoder_path()
     except FileNotFoundError as e:

@@ -20,7 +20,7 @@ from jaxgrpo.rewards import (
     reward_name,
 )
 from jaxgrpo.rewards.bleu import bleu
-from jaxgrpo.rewards.combine import embedding_bleu, hard_soft
+from jaxgrpo.rewards.hybrid import embedding_bleu, hard_soft
 from jaxgrpo.rewards.math import exact_answer
 
 
