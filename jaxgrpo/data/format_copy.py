@@ -8,15 +8,14 @@ Train/eval are disjoint by construction: the eval set is a fixed list of ``num_e
 drawn once with a private seed, and train sampling rejects those integers (and the worked
 example's integer).
 
-Worked-example curriculum (train only). Without an example SmolLM2-135M-Instruct never writes
-the tag (0 of 64 samples at temperature 1), so GRPO on plain prompts only learns "say the
-number" and stalls at the bare number; with the example as a previous user/assistant turn it
-writes the exact answer in 17 of 64 samples, with reward variance in every group (measured here,
-8 prompts x 8 samples, 32 new tokens). ``train_example_prob`` shows the example on that fraction
-of training prompts, decaying linearly to 0 over the first ``train_example_decay`` examples of
-each ``train_examples`` list, so the policy first learns the tag where it can see it and then
-has to produce it on plain prompts. Evaluation prompts never carry it (unless
-``worked_example``), so held-out accuracy measures the plain task.
+Worked-example curriculum (train only). Without an example SmolLM2-135M-Instruct does not
+write the tag at temperature 1, so GRPO on plain prompts only learns "say the number" and
+stalls at the bare number; with the example as a previous user/assistant turn it writes the
+exact answer in some samples, with reward variance in every group. ``train_example_prob``
+shows the example on that fraction of training prompts, decaying linearly to 0 over the first
+``train_example_decay`` examples of each ``train_examples`` list, so the policy first learns
+the tag where it can see it and then has to produce it on plain prompts. Evaluation prompts
+never carry it (unless ``worked_example``), so held-out accuracy measures the plain task.
 """
 
 from __future__ import annotations

@@ -54,13 +54,13 @@ def group_advantages(
     baseline: str = "mean",
     return_metrics: bool = False,
 ):
-    """Group-relative advantages for ``N = B*G`` completions.
+    """Group-relative advantages for ``R = B*G`` completions.
 
     With ``mu_b`` the baseline of row ``i`` in group ``b`` (the group mean, or for RLOO the
     mean of the other ``G-1`` rewards of the group, ``mu_i = (sum_b - R_i) / (G-1)``):
 
     * ``"group"`` (GRPO): ``A_i = (R_i - mu_i) / (std_b + eps)``, ``std_b`` the group's std;
-    * ``"batch"``: ``A_i = (R_i - mu_i) / (std_batch + eps)``, one std over all N rewards;
+    * ``"batch"``: ``A_i = (R_i - mu_i) / (std_batch + eps)``, one std over all R rewards;
     * ``"none"`` (Dr. GRPO): ``A_i = R_i - mu_i``.
 
     Stds are Bessel-corrected (ddof=1, see the module docstring). Rows of a group whose
@@ -68,7 +68,7 @@ def group_advantages(
     baseline is ``G/(G-1)`` times the mean-baseline one.
 
     Args:
-      rewards: ``[N]`` rewards, ``N`` a multiple of ``group_size``, grouped contiguously.
+      rewards: ``[R]`` rewards, ``R`` a multiple of ``group_size``, grouped contiguously.
       group_size: ``G``, samples per prompt (static).
       scale: ``"group"``, ``"batch"`` or ``"none"`` (static).
       eps: added to the std before dividing (may be traced).
@@ -76,7 +76,7 @@ def group_advantages(
       return_metrics: also return a dict of scalar metrics (static).
 
     Returns:
-      ``advantages`` ``[N]`` in the rewards' floating dtype, or ``(advantages, metrics)``
+      ``advantages`` ``[R]`` in the rewards' floating dtype, or ``(advantages, metrics)``
       with metrics ``frac_zero_std_groups``, ``reward_mean``, ``reward_std`` (batch, ddof=1)
       and ``reward_group_std_mean`` when ``return_metrics``.
     """
@@ -87,7 +87,7 @@ def group_advantages(
     rewards = jnp.asarray(rewards)
     if rewards.ndim != 1 or rewards.shape[0] % group_size:
         raise ValueError(
-            f"rewards must be [N] with N a multiple of group_size={group_size}, "
+            f"rewards must be [R] with R a multiple of group_size={group_size}, "
             f"got shape {rewards.shape}"
         )
     dtype = jnp.promote_types(rewards.dtype, jnp.float32)
@@ -115,5 +115,5 @@ def group_advantages(
 
 
 def rloo_advantages(rewards: Array, group_size: int) -> Array:
-    """RLOO advantages ``R_i - mean_{j != i} R_j`` within each group, unscaled; ``[N] -> [N]``."""
+    """RLOO advantages ``R_i - mean_{j != i} R_j`` within each group, unscaled; ``[R] -> [R]``."""
     return group_advantages(rewards, group_size, scale="none", baseline="rloo")

@@ -33,21 +33,21 @@ def kl_estimate(logp: Array, ref_logp: Array, estimator: str = "k3") -> Array:
     """Per-token estimate of KL(pi || pi_ref) from log-probabilities of sampled tokens.
 
     Args:
-      logp: ``[N, T]`` log pi of the sampled tokens.
-      ref_logp: ``[N, T]`` log pi_ref of the same tokens.
+      logp: ``[R, T]`` log pi of the sampled tokens.
+      ref_logp: ``[R, T]`` log pi_ref of the same tokens.
       estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (static).
 
     Returns:
-      ``[N, T]`` per-token estimates (no masking applied).
+      ``[R, T]`` per-token estimates (no masking applied).
     """
-    d_NT = ref_logp - logp
+    d_RT = ref_logp - logp
     if estimator == "k1":
-        return -d_NT
+        return -d_RT
     if estimator == "k2":
-        return 0.5 * d_NT * d_NT
+        return 0.5 * d_RT * d_RT
     if estimator == "k3":
         # expm1 keeps the k3 value accurate (and exactly 0 at d = 0) when d is tiny.
-        return jnp.expm1(d_NT) - d_NT
+        return jnp.expm1(d_RT) - d_RT
     raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
 
 
@@ -79,17 +79,17 @@ def kl_penalized_rewards(
     The penalty is a constant for the policy gradient (``stop_gradient``), as in PPO-RLHF.
 
     Args:
-      rewards: ``[N]`` rewards.
-      logp: ``[N, T]`` log pi of the sampled tokens (the behaviour policy's, usually).
-      ref_logp: ``[N, T]`` log pi_ref of the same tokens.
-      mask: ``[N, T]`` valid completion tokens (bool or 0/1).
+      rewards: ``[R]`` rewards.
+      logp: ``[R, T]`` log pi of the sampled tokens (the behaviour policy's, usually).
+      ref_logp: ``[R, T]`` log pi_ref of the same tokens.
+      mask: ``[R, T]`` valid completion tokens (bool or 0/1).
       beta: KL coefficient (may be traced).
 
     Returns:
-      ``(penalized_rewards [N], kl_N [N])`` with ``kl_N`` the summed k1 of each completion.
+      ``(penalized_rewards [R], kl_R [R])`` with ``kl_R`` the summed k1 of each completion.
     """
-    valid_NT = mask.astype(bool)
-    k1_NT = jnp.where(valid_NT, logp - ref_logp, jnp.zeros_like(logp))
-    kl_N = jax.lax.stop_gradient(jnp.sum(k1_NT, axis=-1))
-    dtype = jnp.promote_types(rewards.dtype, kl_N.dtype)
-    return rewards.astype(dtype) - beta * kl_N.astype(dtype), kl_N
+    valid_RT = mask.astype(bool)
+    k1_RT = jnp.where(valid_RT, logp - ref_logp, jnp.zeros_like(logp))
+    kl_R = jax.lax.stop_gradient(jnp.sum(k1_RT, axis=-1))
+    dtype = jnp.promote_types(rewards.dtype, kl_R.dtype)
+    return rewards.astype(dtype) - beta * kl_R.astype(dtype), kl_R

@@ -1,9 +1,9 @@
 """One GRPO training step, as a readable loop over compiled programs.
 
-    examples --chat template--> prompts [B, P] --sampler (prefill + decode)--> completions [N, T]
-      --decode + rewards (host)--> R [N] --(dynamic sampling: refill zero-variance groups)
+    examples --chat template--> prompts [B, P] --sampler (prefill + decode)--> completions [R, T]
+      --decode + rewards (host)--> rewards [R] --(dynamic sampling: refill zero-variance groups)
       --reference log-probs (LoRA zeroed, prefix-shared; skipped when beta == 0)
-      --KL in reward (optional)--> group advantages A [N]
+      --KL in reward (optional)--> group advantages [R]
       --ppo_epochs x shuffled minibatches of groups x grad-accum micro-batches--> optax updates
 
 The compiled programs are the sampler's prefill and decode, the prefix-shared scoring pass
@@ -33,8 +33,8 @@ from jaxgrpo.config_checks import check_batch_layout
 from jaxgrpo.eval import held_out
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
-from jaxgrpo.rl.kl import kl_penalized_rewards
 from jaxgrpo.rl import step_metrics
+from jaxgrpo.rl.kl import kl_penalized_rewards
 from jaxgrpo.rl.logprobs import make_logprobs_fn
 from jaxgrpo.rl.objective import ObjectiveSpec, make_loss_fn
 from jaxgrpo.rl.train_state import (
@@ -356,7 +356,7 @@ class Learner:
         packing = None
         if self.rl.pack_completions:
             # Packed scoring reads only each completion's own tokens, so the width of the
-            # [N, T] arrays costs next to nothing; keeping it fixed avoids recompiling.
+            # [R, T] arrays costs next to nothing; keeping it fixed avoids recompiling.
             t = r.tokens.shape[1]
             lengths = r.mask.sum(axis=1)
             packing = ro.pack(lengths, self.rl.group_size, t, self.buckets)

@@ -108,17 +108,17 @@ def resolve_spec(loss_type, surrogate=None, aggregation=None, ratio_level=None) 
 
 
 def loss_normalizers(mask: Array) -> dict[str, Array]:
-    """Whole-step normalisers ``{"num_tokens", "num_sequences"}`` from the full ``[N, T]`` mask."""
-    valid_NT = jnp.asarray(mask).astype(bool)
+    """Whole-step normalisers ``{"num_tokens", "num_sequences"}`` from the full ``[R, T]`` mask."""
+    valid_RT = jnp.asarray(mask).astype(bool)
     return {
-        "num_tokens": jnp.sum(valid_NT, dtype=jnp.int32),
-        "num_sequences": jnp.asarray(valid_NT.shape[0], jnp.int32),
+        "num_tokens": jnp.sum(valid_RT, dtype=jnp.int32),
+        "num_sequences": jnp.asarray(valid_RT.shape[0], jnp.int32),
     }
 
 
 def aggregate(
-    x_NT: Array,
-    mask_NT: Array,
+    x_RT: Array,
+    mask_RT: Array,
     aggregation: str,
     *,
     num_tokens=None,
@@ -128,29 +128,29 @@ def aggregate(
     """Reduce per-token values to a scalar (formulas in the module docstring).
 
     Args:
-      x_NT: ``[N, T]`` per-token values (masked entries are ignored, even if non-finite).
-      mask_NT: ``[N, T]`` valid tokens.
+      x_RT: ``[R, T]`` per-token values (masked entries are ignored, even if non-finite).
+      mask_RT: ``[R, T]`` valid tokens.
       aggregation: one of ``AGGREGATIONS`` (static).
-      num_tokens: global valid-token count; defaults to ``sum(mask_NT)``.
-      num_sequences: global sequence count; defaults to ``N``.
+      num_tokens: global valid-token count; defaults to ``sum(mask_RT)``.
+      num_sequences: global sequence count; defaults to ``R``.
       max_completion_length: the constant normaliser's length; defaults to ``T``.
 
     Returns:
-      A scalar of ``x_NT``'s dtype.
+      A scalar of ``x_RT``'s dtype.
     """
-    valid_NT = mask_NT.astype(bool)
-    dtype = x_NT.dtype
-    xm_NT = jnp.where(valid_NT, x_NT, jnp.zeros_like(x_NT))
-    n_seq = jnp.asarray(x_NT.shape[0] if num_sequences is None else num_sequences, dtype)
+    valid_RT = mask_RT.astype(bool)
+    dtype = x_RT.dtype
+    xm_RT = jnp.where(valid_RT, x_RT, jnp.zeros_like(x_RT))
+    n_seq = jnp.asarray(x_RT.shape[0] if num_sequences is None else num_sequences, dtype)
     if aggregation == "seq_mean_token_mean":
-        len_N = jnp.maximum(jnp.sum(valid_NT, axis=-1).astype(dtype), 1.0)
-        return jnp.sum(jnp.sum(xm_NT, axis=-1) / len_N) / n_seq
+        len_R = jnp.maximum(jnp.sum(valid_RT, axis=-1).astype(dtype), 1.0)
+        return jnp.sum(jnp.sum(xm_RT, axis=-1) / len_R) / n_seq
     if aggregation == "token_mean":
-        n_tok = jnp.sum(valid_NT) if num_tokens is None else num_tokens
-        return jnp.sum(xm_NT) / jnp.maximum(jnp.asarray(n_tok, dtype), 1.0)
+        n_tok = jnp.sum(valid_RT) if num_tokens is None else num_tokens
+        return jnp.sum(xm_RT) / jnp.maximum(jnp.asarray(n_tok, dtype), 1.0)
     if aggregation == "constant":
-        length = x_NT.shape[1] if max_completion_length is None else max_completion_length
-        return jnp.sum(xm_NT) / (n_seq * jnp.asarray(length, dtype))
+        length = x_RT.shape[1] if max_completion_length is None else max_completion_length
+        return jnp.sum(xm_RT) / (n_seq * jnp.asarray(length, dtype))
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
 
 
@@ -158,18 +158,18 @@ def token_entropy(logits: Array, temperature=1.0) -> Array:
     """Entropy of ``softmax(logits / temperature)`` per position, in float32 or wider.
 
     Args:
-      logits: ``[N, T, V]`` raw logits.
-      temperature: scalar or ``[N, T]`` sampling temperature (may be traced).
+      logits: ``[R, T, V]`` raw logits.
+      temperature: scalar or ``[R, T]`` sampling temperature (may be traced).
 
     Returns:
-      ``[N, T]`` entropies in nats.
+      ``[R, T]`` entropies in nats.
     """
     dtype = jnp.promote_types(logits.dtype, jnp.float32)
     temp = jnp.asarray(temperature, dtype)
     if temp.ndim:
         temp = jnp.broadcast_to(temp, logits.shape[:-1])[..., None]
-    logq_NTV = jax.nn.log_softmax(logits.astype(dtype) / temp, axis=-1)
-    return -jnp.sum(jnp.exp(logq_NTV) * logq_NTV, axis=-1)
+    logq_RTV = jax.nn.log_softmax(logits.astype(dtype) / temp, axis=-1)
+    return -jnp.sum(jnp.exp(logq_RTV) * logq_RTV, axis=-1)
 
 
 def top_entropy_threshold(entropy: Array, mask: Array, frac) -> Array:
@@ -179,23 +179,23 @@ def top_entropy_threshold(entropy: Array, mask: Array, frac) -> Array:
     ``torch.quantile``); ``+inf`` when there is no valid token. ``frac`` may be traced.
 
     Args:
-      entropy: ``[N, T]`` per-token entropies.
-      mask: ``[N, T]`` valid tokens.
+      entropy: ``[R, T]`` per-token entropies.
+      mask: ``[R, T]`` valid tokens.
       frac: fraction of tokens to keep, in ``[0, 1]``.
 
     Returns:
       A scalar threshold (no gradient).
     """
-    valid_NT = mask.astype(bool)
-    ent_NT = jax.lax.stop_gradient(entropy)
-    sorted_X = jnp.sort(jnp.where(valid_NT, ent_NT, jnp.inf).reshape(-1))
-    last = jnp.maximum(jnp.sum(valid_NT) - 1, 0)
-    pos = (1.0 - jnp.asarray(frac, ent_NT.dtype)) * last.astype(ent_NT.dtype)
+    valid_RT = mask.astype(bool)
+    ent_RT = jax.lax.stop_gradient(entropy)
+    sorted_X = jnp.sort(jnp.where(valid_RT, ent_RT, jnp.inf).reshape(-1))
+    last = jnp.maximum(jnp.sum(valid_RT) - 1, 0)
+    pos = (1.0 - jnp.asarray(frac, ent_RT.dtype)) * last.astype(ent_RT.dtype)
     lo = jnp.floor(pos).astype(jnp.int32)
     hi = jnp.minimum(lo + 1, last)
-    frac_pos = pos - lo.astype(ent_NT.dtype)
+    frac_pos = pos - lo.astype(ent_RT.dtype)
     thr = sorted_X[lo] + frac_pos * (sorted_X[hi] - sorted_X[lo])
-    return jnp.where(jnp.any(valid_NT), thr, jnp.inf)
+    return jnp.where(jnp.any(valid_RT), thr, jnp.inf)
 
 
 def truncated_is_weights(old_logp: Array, sampler_logp: Array, cap) -> Array:
@@ -205,70 +205,70 @@ def truncated_is_weights(old_logp: Array, sampler_logp: Array, cap) -> Array:
     (numerics, precision); pass the result as ``policy_loss(..., is_weights=...)``.
 
     Args:
-      old_logp: ``[N, T]`` trainer log-probs of the behaviour policy.
-      sampler_logp: ``[N, T]`` log-probs the sampler reported for the same tokens.
+      old_logp: ``[R, T]`` trainer log-probs of the behaviour policy.
+      sampler_logp: ``[R, T]`` log-probs the sampler reported for the same tokens.
       cap: upper bound on the weight (may be traced).
 
     Returns:
-      ``[N, T]`` weights.
+      ``[R, T]`` weights.
     """
     return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - sampler_logp), cap))
 
 
-def _log_ratio_NT(logp_NT, old_NT, valid_NT, ratio_level):
-    log_ratio_NT = logp_NT - old_NT
+def _log_ratio_RT(logp_RT, old_RT, valid_RT, ratio_level):
+    log_ratio_RT = logp_RT - old_RT
     if ratio_level == "token":
-        return log_ratio_NT
-    len_N = jnp.maximum(jnp.sum(valid_NT, axis=-1).astype(logp_NT.dtype), 1.0)
-    seq_N = jnp.sum(log_ratio_NT, axis=-1) / len_N
-    return jnp.broadcast_to(seq_N[:, None], log_ratio_NT.shape)
+        return log_ratio_RT
+    len_R = jnp.maximum(jnp.sum(valid_RT, axis=-1).astype(logp_RT.dtype), 1.0)
+    seq_R = jnp.sum(log_ratio_RT, axis=-1) / len_R
+    return jnp.broadcast_to(seq_R[:, None], log_ratio_RT.shape)
 
 
-def _clip_surrogate(ratio_NT, adv_N1, eps_low, eps_high, dual_clip, ratio_cap):
+def _clip_surrogate(ratio_RT, adv_R1, eps_low, eps_high, dual_clip, ratio_cap):
     """Per-token clipped loss and the low/high clip indicators."""
-    clipped_NT = jnp.clip(ratio_NT, 1.0 - eps_low, 1.0 + eps_high)
-    unclipped_NT = ratio_NT if ratio_cap is None else jnp.minimum(ratio_NT, ratio_cap)
-    loss_NT = -jnp.minimum(unclipped_NT * adv_N1, clipped_NT * adv_N1)
+    clipped_RT = jnp.clip(ratio_RT, 1.0 - eps_low, 1.0 + eps_high)
+    unclipped_RT = ratio_RT if ratio_cap is None else jnp.minimum(ratio_RT, ratio_cap)
+    loss_RT = -jnp.minimum(unclipped_RT * adv_R1, clipped_RT * adv_R1)
     if dual_clip is not None:
-        loss_NT = jnp.where(adv_N1 < 0, jnp.minimum(loss_NT, -dual_clip * adv_N1), loss_NT)
+        loss_RT = jnp.where(adv_R1 < 0, jnp.minimum(loss_RT, -dual_clip * adv_R1), loss_RT)
     # PPO clips r from below only where A < 0 and from above only where A > 0.
-    low_NT = (ratio_NT < 1.0 - eps_low) & (adv_N1 < 0)
-    high_NT = (ratio_NT > 1.0 + eps_high) & (adv_N1 > 0)
-    return loss_NT, low_NT, high_NT
+    low_RT = (ratio_RT < 1.0 - eps_low) & (adv_R1 < 0)
+    high_RT = (ratio_RT > 1.0 + eps_high) & (adv_R1 > 0)
+    return loss_RT, low_RT, high_RT
 
 
-def _clean(x, *, valid_NT, dtype):
+def _clean(x, *, valid_RT, dtype):
     """Zero the entries outside the mask so no garbage (NaN, inf) reaches values or grads."""
-    return jnp.where(valid_NT, jnp.asarray(x).astype(dtype), jnp.zeros((), dtype))
+    return jnp.where(valid_RT, jnp.asarray(x).astype(dtype), jnp.zeros((), dtype))
 
 
-def _policy_term_NT(spec, logp_NT, old_NT, adv_N1, valid_NT, clip_args):
+def _policy_term_RT(spec, logp_RT, old_RT, adv_R1, valid_RT, clip_args):
     """Per-token policy-gradient loss and the ratio/clip metrics."""
-    ratio_NT = jnp.exp(_log_ratio_NT(logp_NT, old_NT, valid_NT, spec.ratio_level))
+    ratio_RT = jnp.exp(_log_ratio_RT(logp_RT, old_RT, valid_RT, spec.ratio_level))
     if spec.surrogate == "clip":
-        pg_NT, low_NT, high_NT = _clip_surrogate(ratio_NT, adv_N1, *clip_args)
+        pg_RT, low_RT, high_RT = _clip_surrogate(ratio_RT, adv_R1, *clip_args)
     else:
-        pg_NT = -logp_NT * adv_N1
-        low_NT = high_NT = jnp.zeros(valid_NT.shape, bool)
-    metrics = _ratio_metrics(jax.lax.stop_gradient(ratio_NT), valid_NT, low_NT, high_NT)
-    return pg_NT, metrics
+        pg_RT = -logp_RT * adv_R1
+        low_RT = high_RT = jnp.zeros(valid_RT.shape, bool)
+    metrics = _ratio_metrics(jax.lax.stop_gradient(ratio_RT), valid_RT, low_RT, high_RT)
+    return pg_RT, metrics
 
 
-def _masked_mean(x_NT, valid_NT):
-    total = jnp.sum(jnp.where(valid_NT, x_NT, jnp.zeros_like(x_NT)))
-    return total / jnp.maximum(jnp.sum(valid_NT).astype(x_NT.dtype), 1.0)
+def _masked_mean(x_RT, valid_RT):
+    total = jnp.sum(jnp.where(valid_RT, x_RT, jnp.zeros_like(x_RT)))
+    return total / jnp.maximum(jnp.sum(valid_RT).astype(x_RT.dtype), 1.0)
 
 
-def _ratio_metrics(ratio_NT, valid_NT, low_NT, high_NT):
-    dtype = ratio_NT.dtype
+def _ratio_metrics(ratio_RT, valid_RT, low_RT, high_RT):
+    dtype = ratio_RT.dtype
     return {
-        "clip_frac_low": _masked_mean(low_NT.astype(dtype), valid_NT),
-        "clip_frac_high": _masked_mean(high_NT.astype(dtype), valid_NT),
-        "clip_frac": _masked_mean((low_NT | high_NT).astype(dtype), valid_NT),
-        "ratio_mean": _masked_mean(ratio_NT, valid_NT),
-        "ratio_min": jnp.min(jnp.where(valid_NT, ratio_NT, jnp.inf)),
-        "ratio_max": jnp.max(jnp.where(valid_NT, ratio_NT, -jnp.inf)),
-        "num_tokens": jnp.sum(valid_NT).astype(dtype),
+        "clip_frac_low": _masked_mean(low_RT.astype(dtype), valid_RT),
+        "clip_frac_high": _masked_mean(high_RT.astype(dtype), valid_RT),
+        "clip_frac": _masked_mean((low_RT | high_RT).astype(dtype), valid_RT),
+        "ratio_mean": _masked_mean(ratio_RT, valid_RT),
+        "ratio_min": jnp.min(jnp.where(valid_RT, ratio_RT, jnp.inf)),
+        "ratio_max": jnp.max(jnp.where(valid_RT, ratio_RT, -jnp.inf)),
+        "num_tokens": jnp.sum(valid_RT).astype(dtype),
     }
 
 
@@ -307,12 +307,12 @@ def policy_loss(
     off (static). Formulas, presets and the global-normaliser rule are in the module docstring.
 
     Args:
-      logp: ``[N, T]`` log pi_theta of the sampled tokens (differentiated).
-      old_logp: ``[N, T]`` behaviour-policy log-probs, or None for on-policy
+      logp: ``[R, T]`` log pi_theta of the sampled tokens (differentiated).
+      old_logp: ``[R, T]`` behaviour-policy log-probs, or None for on-policy
         (``stop_gradient(logp)``, so ``r = 1`` with the policy gradient).
-      ref_logp: ``[N, T]`` reference log-probs, or None to skip the KL term.
-      advantages: ``[N]`` per-sequence advantages.
-      mask: ``[N, T]`` valid completion tokens (bool or 0/1); other entries may hold garbage.
+      ref_logp: ``[R, T]`` reference log-probs, or None to skip the KL term.
+      advantages: ``[R]`` per-sequence advantages.
+      mask: ``[R, T]`` valid completion tokens (bool or 0/1); other entries may hold garbage.
       loss_type: preset name, a key of ``LOSS_PRESETS``.
       eps_low: lower clip range, ``r >= 1 - eps_low`` where ``A < 0``.
       eps_high: upper clip range, ``r <= 1 + eps_high`` where ``A > 0``.
@@ -329,17 +329,17 @@ def policy_loss(
       dual_clip: ``c > 1``: the loss of ``A < 0`` tokens is at most ``-c*A``.
       ratio_cap: upper cap on the unclipped ratio, ``min(r, ratio_cap)``.
       entropy_coef: entropy bonus weight (needs ``logits`` or ``entropy``).
-      logits: ``[N, T, V]`` logits for the entropy, scaled by ``temperature``.
-      temperature: scalar or ``[N, T]`` sampling temperature for ``logits``.
-      entropy: ``[N, T]`` per-token entropy, used instead of ``logits`` when given.
+      logits: ``[R, T, V]`` logits for the entropy, scaled by ``temperature``.
+      temperature: scalar or ``[R, T]`` sampling temperature for ``logits``.
+      entropy: ``[R, T]`` per-token entropy, used instead of ``logits`` when given.
       top_entropy_frac: keep the policy-gradient term only on this fraction of the valid
         tokens with the highest entropy (KL and entropy terms stay on all tokens).
       entropy_threshold: explicit threshold for that restriction (whole-step value from
         ``top_entropy_threshold``); takes precedence over ``top_entropy_frac``.
-      is_weights: ``[N, T]`` importance weights multiplied into the policy term, without
+      is_weights: ``[R, T]`` importance weights multiplied into the policy term, without
         gradient (e.g. ``truncated_is_weights`` for sampler/trainer mismatch).
       num_tokens: whole-step valid-token count (``"token_mean"``); default: this batch's.
-      num_sequences: whole-step sequence count; default: ``N``.
+      num_sequences: whole-step sequence count; default: ``R``.
 
     Returns:
       ``(loss, metrics)``: a scalar and a dict of scalars: ``loss``, ``policy_loss``,
@@ -350,51 +350,51 @@ def policy_loss(
     """
     spec = resolve_spec(loss_type, surrogate, aggregation, ratio_level)
     dtype = jnp.promote_types(jnp.asarray(logp).dtype, jnp.float32)
-    valid_NT = jnp.asarray(mask).astype(bool)
-    clean = functools.partial(_clean, valid_NT=valid_NT, dtype=dtype)
-    logp_NT = clean(logp)
-    old_NT = jax.lax.stop_gradient(logp_NT) if old_logp is None else clean(old_logp)
-    adv_N1 = jnp.asarray(advantages).astype(dtype)[:, None]
+    valid_RT = jnp.asarray(mask).astype(bool)
+    clean = functools.partial(_clean, valid_RT=valid_RT, dtype=dtype)
+    logp_RT = clean(logp)
+    old_RT = jax.lax.stop_gradient(logp_RT) if old_logp is None else clean(old_logp)
+    adv_R1 = jnp.asarray(advantages).astype(dtype)[:, None]
     agg = functools.partial(
         aggregate,
-        mask_NT=valid_NT,
+        mask_RT=valid_RT,
         aggregation=spec.aggregation,
         num_tokens=num_tokens,
         num_sequences=num_sequences,
         max_completion_length=max_completion_length,
     )
     clip_args = (eps_low, eps_high, dual_clip, ratio_cap)
-    pg_NT, metrics = _policy_term_NT(spec, logp_NT, old_NT, adv_N1, valid_NT, clip_args)
+    pg_RT, metrics = _policy_term_RT(spec, logp_RT, old_RT, adv_R1, valid_RT, clip_args)
     if is_weights is not None:
-        pg_NT = pg_NT * jax.lax.stop_gradient(clean(is_weights))
-    ent_NT = None
+        pg_RT = pg_RT * jax.lax.stop_gradient(clean(is_weights))
+    ent_RT = None
     if entropy is not None or logits is not None:
-        ent_NT = clean(entropy if entropy is not None else token_entropy(logits, temperature))
-        metrics["entropy_mean"] = _masked_mean(jax.lax.stop_gradient(ent_NT), valid_NT)
+        ent_RT = clean(entropy if entropy is not None else token_entropy(logits, temperature))
+        metrics["entropy_mean"] = _masked_mean(jax.lax.stop_gradient(ent_RT), valid_RT)
     if entropy_threshold is None and top_entropy_frac is not None:
-        if ent_NT is None:
+        if ent_RT is None:
             raise ValueError("top_entropy_frac needs `logits` or `entropy`")
-        entropy_threshold = top_entropy_threshold(ent_NT, valid_NT, top_entropy_frac)
+        entropy_threshold = top_entropy_threshold(ent_RT, valid_RT, top_entropy_frac)
     if entropy_threshold is not None:
-        keep_NT = jax.lax.stop_gradient(ent_NT) >= entropy_threshold
-        pg_NT = jnp.where(keep_NT, pg_NT, jnp.zeros_like(pg_NT))
-        metrics["frac_tokens_pg"] = _masked_mean(keep_NT.astype(dtype), valid_NT)
-    metrics["policy_loss"] = agg(pg_NT)
+        keep_RT = jax.lax.stop_gradient(ent_RT) >= entropy_threshold
+        pg_RT = jnp.where(keep_RT, pg_RT, jnp.zeros_like(pg_RT))
+        metrics["frac_tokens_pg"] = _masked_mean(keep_RT.astype(dtype), valid_RT)
+    metrics["policy_loss"] = agg(pg_RT)
     metrics["kl_loss"] = metrics["kl_mean"] = jnp.zeros((), dtype)
     if ref_logp is not None:
         warn_if_k1_in_loss(kl_estimator, beta)
-        kl_NT = kl_estimate(logp_NT, clean(ref_logp), kl_estimator)
+        kl_RT = kl_estimate(logp_RT, clean(ref_logp), kl_estimator)
         if kl_bias_correction:
-            kl_NT = kl_NT * jnp.exp(_log_ratio_NT(logp_NT, old_NT, valid_NT, spec.ratio_level))
-        metrics["kl_loss"] = beta * agg(kl_NT)
-        metrics["kl_mean"] = _masked_mean(jax.lax.stop_gradient(kl_NT), valid_NT)
+            kl_RT = kl_RT * jnp.exp(_log_ratio_RT(logp_RT, old_RT, valid_RT, spec.ratio_level))
+        metrics["kl_loss"] = beta * agg(kl_RT)
+        metrics["kl_mean"] = _masked_mean(jax.lax.stop_gradient(kl_RT), valid_RT)
     metrics["entropy_loss"] = jnp.zeros((), dtype)
     # A Python-literal 0 drops the term from the graph, so no backward pass runs through the
     # entropy (0 * grad is not simplified away by XLA); a traced coefficient keeps it.
     if not (isinstance(entropy_coef, int | float) and entropy_coef == 0):
-        if ent_NT is None:
+        if ent_RT is None:
             raise ValueError("entropy_coef needs `logits` or `entropy`")
-        metrics["entropy_loss"] = -entropy_coef * agg(ent_NT)
+        metrics["entropy_loss"] = -entropy_coef * agg(ent_RT)
     loss = metrics["policy_loss"] + metrics["kl_loss"] + metrics["entropy_loss"]
     metrics["loss"] = loss
     metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, dtype)) for k, v in metrics.items()}

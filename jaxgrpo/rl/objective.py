@@ -74,9 +74,9 @@ def group_rows(idx_M: Array, group_size: int) -> Array:
     return (idx_M[:, None] * group_size + jnp.arange(group_size)[None, :]).reshape(-1)
 
 
-def _masked_mean(x_NT: Array, mask_NT: Array) -> Array:
-    m = mask_NT.astype(jnp.float32)
-    return jnp.sum(x_NT * m) / jnp.maximum(jnp.sum(m), 1.0)
+def _masked_mean(x_RT: Array, mask_RT: Array) -> Array:
+    m = mask_RT.astype(jnp.float32)
+    return jnp.sum(x_RT * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
 def make_loss_fn(

@@ -127,14 +127,14 @@ def split_common_prefix(
 
 
 def completion_bucket(
-    lengths_N: np.ndarray, max_new_tokens: int, buckets: ShapeBuckets | None = None
+    lengths_R: np.ndarray, max_new_tokens: int, buckets: ShapeBuckets | None = None
 ) -> int:
     """Columns of the completions the scoring passes need: the longest one's power-of-two bucket.
 
     Columns past every row's end are masked out of the loss, and a causal model's log-probs of
     the earlier columns do not depend on them, so dropping them changes nothing but the time.
     """
-    longest = int(np.max(lengths_N, initial=1))
+    longest = int(np.max(lengths_R, initial=1))
     t = bucket_length(longest, min_bucket=8, max_length=max_new_tokens)
     return t if buckets is None else buckets.grow("completion", t)
 
@@ -165,12 +165,12 @@ class Packing:
 
 
 def pack(
-    lengths_N: np.ndarray, group_size: int, t: int, buckets: ShapeBuckets | None = None
+    lengths_R: np.ndarray, group_size: int, t: int, buckets: ShapeBuckets | None = None
 ) -> Packing:
     """Packs the completions of each group of `group_size` rows end to end (numpy arrays).
 
     Args:
-        lengths_N: tokens to score per completion (up to and including its stop token).
+        lengths_R: tokens to score per completion (up to and including its stop token).
         group_size: G; row b*G + g is completion g of group b.
         t: T, the completions' column count.
         buckets: the run's `ShapeBuckets`: L never falls below an earlier step's.
@@ -179,7 +179,7 @@ def pack(
         `Packing` with L = the power-of-two bucket (at least 16, at most G * T) of the longest
         group's total length: with short completions a group's row is far shorter than G * T.
     """
-    lengths_BG = np.minimum(np.asarray(lengths_N), t).reshape(-1, group_size)
+    lengths_BG = np.minimum(np.asarray(lengths_R), t).reshape(-1, group_size)
     b = lengths_BG.shape[0]
     width = bucket_length(int(lengths_BG.sum(axis=1).max(initial=1)), 16, group_size * t)
     if buckets is not None:
@@ -202,19 +202,19 @@ def pack(
 
 @flax.struct.dataclass
 class RolloutBatch:
-    """Device arrays of one step's training batch (B prompts, N = B * G completions).
+    """Device arrays of one step's training batch (B prompts, R = B * G completions).
 
     Attributes:
         prompt_ids: int32 [B, P] left-padded prompts (what follows `shared_ids`).
         prompt_mask: int32 [B, P].
-        tokens: int32 [N, T] completions (row b*G + g is sample g of prompt b).
-        mask: int32 [N, T] loss mask (sampler mask, zeroed for truncated rows when masking).
-        temps: float32 [N, T] temperature each token was sampled at.
-        sampler_logp: float32 [N, T] log-probs reported by the sampler.
-        old_logp: float32 [N, T] behaviour log-probs from a trainer forward pass (zeros when
+        tokens: int32 [R, T] completions (row b*G + g is sample g of prompt b).
+        mask: int32 [R, T] loss mask (sampler mask, zeroed for truncated rows when masking).
+        temps: float32 [R, T] temperature each token was sampled at.
+        sampler_logp: float32 [R, T] log-probs reported by the sampler.
+        old_logp: float32 [R, T] behaviour log-probs from a trainer forward pass (zeros when
             the update is on-policy and does not need them).
-        ref_logp: float32 [N, T] reference log-probs (zeros when there is no KL term).
-        advantages: float32 [N].
+        ref_logp: float32 [R, T] reference log-probs (zeros when there is no KL term).
+        advantages: float32 [R].
         packing: `Packing` of the groups' completions for the scoring passes, or None to score
             each completion in its own row.
         shared_ids: int32 [1, C] tokens every prompt begins with (`split_common_prefix`);
@@ -241,12 +241,12 @@ class Rollout:
     Attributes:
         examples: the B task examples.
         prompt_ids / prompt_mask: int32 [B, P].
-        tokens / mask / logprobs / temps: [N, T] sampler outputs.
-        stop_reason / lengths: int32 [N].
-        prompts / completions: N prompt texts (rendered chat) and decoded completions.
-        rewards: float32 [N] weighted total; per_fn: name -> float32 [N] raw values (NaN where
+        tokens / mask / logprobs / temps: [R, T] sampler outputs.
+        stop_reason / lengths: int32 [R].
+        prompts / completions: R prompt texts (rendered chat) and decoded completions.
+        rewards: float32 [R] weighted total; per_fn: name -> float32 [R] raw values (NaN where
             a function returned None); weights: name -> weight used this step.
-        correct: bool [N] strict correctness, or None when the task has no notion of it.
+        correct: bool [R] strict correctness, or None when the task has no notion of it.
     """
 
     examples: list[dict]
@@ -360,20 +360,20 @@ def score(
     rewards_cfg: Any = None,
     max_steps: int = 0,
 ):
-    """Runs the reward set and the strict-correctness check on N completions.
+    """Runs the reward set and the strict-correctness check on R completions.
 
     Reward functions get TRL's keyword arguments (see `jaxgrpo.rewards`): the task's columns,
     `completion_ids` and `completion_lengths` from `sampled`, a `TrainerState` at `step`, and
     with `rewards_cfg.conversational` the examples' messages as conversational prompts.
 
     Args:
-        sampled: the sampler's host arrays: `tokens` and `mask` [N, T], `lengths` [N].
+        sampled: the sampler's host arrays: `tokens` and `mask` [R, T], `lengths` [R].
         rewards_cfg: `RewardsConfig` (`conversational`, `max_failed_steps`), or None outside
             training (strings, no failed-step limit).
         max_steps: the run's `steps`, for `trainer_state.max_steps`.
 
     Returns:
-        (total float32 [N], per_fn name -> float32 [N], weights, correct bool [N] or None).
+        (total float32 [R], per_fn name -> float32 [R], weights, correct bool [R] or None).
     """
     columns = columns_for(examples, group_size)
     reward_columns = dict(columns)

@@ -115,12 +115,11 @@ def sum_of_squares(x: Array) -> Array:
     """`sum(x ** 2)` in float32, added up slice by slice along the leading axis first.
 
     XLA:CPU turns a reduction over a large array into a chain of 32-element windowed
-    reductions that runs at about 3 GB/s: 70 ms for the 212 MB gate/up gradient of
-    SmolLM2-135M. Adding the k slices of the leading axis elementwise (one fused loop,
-    vectorised) runs at memory speed (9 ms for that gradient) and leaves an array k times
-    smaller; this repeats down to a small array, which `jnp.sum` finishes. Only leading axes
-    are split, so every other axis keeps its sharding. The rounding differs from `jnp.sum`
-    only in the order of the additions.
+    reductions, far below memory speed. Adding the k slices of the leading axis elementwise
+    (one fused loop, vectorised) runs at memory speed and leaves an array k times smaller; this
+    repeats down to a small array, which `jnp.sum` finishes (figures in benchmarks/README.md,
+    `grpo_step.py` session 8). Only leading axes are split, so every other axis keeps its
+    sharding. The rounding differs from `jnp.sum` only in the order of the additions.
     """
     x, squared = x.astype(jnp.float32), False
     while x.size > _SMALL_REDUCTION and x.ndim > 1:

@@ -21,8 +21,8 @@ shifts = hnp.arrays(np.float32, (N, T), elements=st.floats(-1.0, 1.0, width=32))
 lengths = hnp.arrays(np.int64, (N,), elements=st.integers(0, T))
 
 
-def _mask(lengths_N):
-    return np.arange(T)[None, :] < np.asarray(lengths_N)[:, None]
+def _mask(lengths_R):
+    return np.arange(T)[None, :] < np.asarray(lengths_R)[:, None]
 
 
 def _grad(logp, old_logp, advantages, mask, **kw):

@@ -24,49 +24,49 @@ from jaxgrpo.rl.losses import (
 
 # The four aggregation presets (gspo shares grpo's aggregation; its sequence ratio is local).
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gr_reinforce")
-N, T, F, V = 16, 9, 4, 7
+R, T, F, V = 16, 9, 4, 7
 OPTIONS = dict(beta=0.04, dual_clip=3.0, entropy_coef=0.01, temperature=0.9)
 TOP_FRAC = 0.5
 
 
 @pytest.fixture(scope="module")
 def problem():
-    """Policy weights ``W [F, V]`` and a ragged rollout batch of N sequences."""
+    """Policy weights ``W [F, V]`` and a ragged rollout batch of R sequences."""
     rng = np.random.default_rng(0)
-    lengths = rng.integers(1, T + 1, N)
+    lengths = rng.integers(1, T + 1, R)
     lengths[3] = 0
     batch = {
-        "x": rng.normal(size=(N, T, F)).astype(np.float32),
-        "tokens": rng.integers(0, V, (N, T)).astype(np.int32),
+        "x": rng.normal(size=(R, T, F)).astype(np.float32),
+        "tokens": rng.integers(0, V, (R, T)).astype(np.int32),
         "mask": np.arange(T)[None, :] < lengths[:, None],
-        "adv": rng.normal(size=N).astype(np.float32),
+        "adv": rng.normal(size=R).astype(np.float32),
     }
     w = rng.normal(size=(F, V)).astype(np.float32)
     logp = np.asarray(_logp_logits(w, batch)[0])
-    batch["old_logp"] = (logp + rng.normal(0.0, 0.5, (N, T))).astype(np.float32)
-    batch["ref_logp"] = (logp + rng.normal(0.0, 0.5, (N, T))).astype(np.float32)
+    batch["old_logp"] = (logp + rng.normal(0.0, 0.5, (R, T))).astype(np.float32)
+    batch["ref_logp"] = (logp + rng.normal(0.0, 0.5, (R, T))).astype(np.float32)
     return w, batch
 
 
 def _logp_logits(w_FV, batch):
-    logits_NTV = jnp.einsum("NTF,FV->NTV", batch["x"], w_FV)
-    logp_NTV = jax.nn.log_softmax(logits_NTV, axis=-1)
-    logp_NT = jnp.take_along_axis(logp_NTV, batch["tokens"][..., None], axis=-1)[..., 0]
-    return logp_NT, logits_NTV
+    logits_RTV = jnp.einsum("RTF,FV->RTV", batch["x"], w_FV)
+    logp_RTV = jax.nn.log_softmax(logits_RTV, axis=-1)
+    logp_RT = jnp.take_along_axis(logp_RTV, batch["tokens"][..., None], axis=-1)[..., 0]
+    return logp_RT, logits_RTV
 
 
 def _loss(w_FV, batch, norm, loss_type):
     """Loss of (a slice of) the batch; ``norm=None`` uses this batch's own normalisers."""
-    logp_NT, logits_NTV = _logp_logits(w_FV, batch)
+    logp_RT, logits_RTV = _logp_logits(w_FV, batch)
     norm = norm or {"top_entropy_frac": TOP_FRAC}
     return policy_loss(
-        logp_NT,
+        logp_RT,
         batch["old_logp"],
         batch["ref_logp"],
         batch["adv"],
         batch["mask"],
         loss_type=loss_type,
-        logits=logits_NTV,
+        logits=logits_RTV,
         **OPTIONS,
         **norm,
     )[0]
@@ -74,15 +74,15 @@ def _loss(w_FV, batch, norm, loss_type):
 
 def _global_norm(w_FV, batch):
     """Whole-step normalisers and entropy threshold, as a trainer computes them once per step."""
-    entropy_NT = token_entropy(_logp_logits(w_FV, batch)[1], OPTIONS["temperature"])
+    entropy_RT = token_entropy(_logp_logits(w_FV, batch)[1], OPTIONS["temperature"])
     return {
         **loss_normalizers(batch["mask"]),
-        "entropy_threshold": top_entropy_threshold(entropy_NT, batch["mask"], TOP_FRAC),
+        "entropy_threshold": top_entropy_threshold(entropy_RT, batch["mask"], TOP_FRAC),
     }
 
 
 def _split(tree, k):
-    return jax.tree.map(lambda a: a.reshape(k, N // k, *a.shape[1:]), tree)
+    return jax.tree.map(lambda a: a.reshape(k, R // k, *a.shape[1:]), tree)
 
 
 def _accumulated(grad_fn, w_FV, batch, k, norm=None):
