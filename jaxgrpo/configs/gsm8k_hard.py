@@ -23,7 +23,7 @@ def get_config():
     c.rl.prompts_per_step = 16
     c.rl.group_size = 8
     c.rl.beta = 0.04
-    c.rl.grad_accum = 4
+    c.rl.grad_accum = 1  # 16 packed rows (one per prompt) split over up to 16 data x fsdp shards
     c.optim.lr = 5e-6
     c.optim.warmup_steps = 10
     c.mesh.data = 1

@@ -31,6 +31,7 @@ from flax import nnx
 from jaxgrpo import sharding
 from jaxgrpo.config_checks import check_batch_layout
 from jaxgrpo.eval import held_out
+from jaxgrpo.logging import warn_once
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl import step_metrics
@@ -112,7 +113,18 @@ class Learner:
     # Set-up.
 
     def _check_batch_layout(self) -> None:
-        check_batch_layout(self.rl, self.mesh.shape["data"] * self.mesh.shape["fsdp"])
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        check_batch_layout(self.rl, shards)
+        rows = self.rl.prompts_per_step // (self.rl.num_minibatches * self.rl.grad_accum)
+        if self.rl.pack_completions and rows % shards:
+            warn_once(
+                "packed-rows",
+                f"a micro-batch packs its completions into {rows} rows (one per prompt), which "
+                f"do not split over data * fsdp = {shards} devices: every device scores all of "
+                "them. Lower rl.grad_accum / rl.num_minibatches so that prompts_per_step / "
+                "(num_minibatches * grad_accum) is a multiple of it, or set "
+                "rl.pack_completions=False.",
+            )
 
     def _old_logp_source(self) -> str:
         """Where behaviour log-probs come from when an update is not on-policy."""
