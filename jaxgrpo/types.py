@@ -2,11 +2,14 @@
 
 Axis letters, used as shape suffixes (``logits_BTV``) and in einsums (``'BTD,DNH->BTNH'``):
 
-    B batch            P prompt length       T completion / query length
-    S key / cache len  D embed (hidden)      N query heads
+    B batch (prompts)  P prompt length       T completion / query length
+    S key / cache len  D embed (hidden)      N query heads (only)
     K kv heads         H head_dim            F mlp (intermediate)
-    V vocab            L layers              R lora rank
-    G group size (samples per prompt)
+    V vocab            L layers              G group size (samples per prompt)
+    R rows of samples (R = B * G)            A LoRA (adapter) rank
+
+A function may name a further letter for a local axis (a chunk C, a group X of fused rows);
+its docstring says what it is.
 """
 
 from typing import Any

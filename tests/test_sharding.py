@@ -107,8 +107,8 @@ def test_eight_devices_equal_one(mesh):
     def run(m):
         full = m(ids, attention_mask=mask)
         cache = init_cache(m.cfg, 8, 10)
-        _, cache = m.hidden(ids[:, :7], mask[:, :7], cache=cache)
-        h, _ = m.hidden(ids[:, 7:], jnp.ones((8, 1), jnp.int32), cache=cache)
+        _, cache = m.prefill(ids[:, :7], mask[:, :7], cache)
+        h, _ = m.prefill(ids[:, 7:], jnp.ones((8, 1), jnp.int32), cache)
         return full, m.logits(h)
 
     full8, step8 = run(model)

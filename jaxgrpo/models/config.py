@@ -77,8 +77,8 @@ class ModelConfig:
         remat: recompute each block in the backward pass (jax.checkpoint) to save memory.
         unroll_layers: run the stacked layers as an unrolled loop instead of `lax.scan`. The
             program is L copies of a layer (longer compile), but the backward pass writes no
-            stacked [L, ...] residual and gradient buffers; on XLA:CPU that made a full
-            fine-tuning update of SmolLM2-135M about 2 s (~12%) faster. With LoRA it was slower.
+            stacked [L, ...] residual and gradient buffers: faster for a full fine-tuning update
+            on XLA:CPU, slower with LoRA (benchmarks/README.md).
         scan_decode: how the sampler's one-token steps run the layers: True scans stacked
             decode weights and a stacked cache (one layer body in the program, so a deep model
             compiles in a fraction of the time), False unrolls per-layer arrays (on XLA:CPU

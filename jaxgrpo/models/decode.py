@@ -1,24 +1,15 @@
 """The decode-step layers: per-layer weights laid out for one-token matmuls.
 
-A decode step multiplies a few rows ([B, 1, D]) by every weight of the model, so its time is
-those matmuls and nothing else should add to it. What the training layout costs there, measured
-on SmolLM2-135M at B=32 on the 2-core CPU (`python benchmarks/generate.py`, profiled per op):
+A decode step multiplies a few rows ([B, 1, D]) by every weight of the model, so the layout
+is chosen for those matmuls: each layer's weights are separate arrays (or one stacked set for
+the scanned loop), prepared once per `generate` call with the adapters folded in, and every
+kernel is a plain 2-D [out, in] matrix, the operand XLA:CPU's dot reads fastest (the profile
+behind this is in benchmarks/README.md, "What the decode step spends its time on").
 
-* The scanned decoder reads layer i out of the stacked [L, ...] weights: a copy of every weight
-  at every step. Here each layer's weights are separate arrays, prepared once per `generate`
-  call, before the decode loop.
-* XLA:CPU's dot runs `x @ W.T` with W stored as a 2-D [out, in] matrix about 30% faster than
-  `x @ W` with W [in, out] at these shapes (92 against 122 ms of projections per step). With
-  more than one output dimension (e.g. [N, H, D]) it re-lays the weight out at every step, so
-  every kernel here is a plain matrix. Preparing them (2-D transposes) costs about 0.25 s per
-  call, a few ms per decode step.
-* LoRA adds two small matmuls per projection; here the adapters are folded into the kernels.
-
-`DecodeLayer` is built from a `Block` (`decode_layer_from_block`) and run by `decode_layer`; it
-computes what `Block.__call__` computes (the tests compare greedy decoding with transformers and
-the sampled log-probs with a full forward pass), with keys and values in the per-layer
-per-layer buffers of a `LayerKVCache`, whose prompt part is stored once per prompt and
-shared by its G samples.
+`DecodeLayer` is built from a `Block` (`decode_layer_from_block`) and run by `decode_layer`
+through the same `layers.decoder_layer` body as `Block.__call__`; only the weight layout and
+the cache differ: keys and values go to a `LayerKVCache`, whose prompt part is stored once
+per prompt and shared by its G samples.
 """
 
 from __future__ import annotations
@@ -32,12 +23,9 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo import sharding
-from jaxgrpo.models.layers import apply_rope, attend_shared_prompt, rms_norm
-from jaxgrpo.sharding import ShardingCtx, shard_act
+from jaxgrpo.models.layers import attend, decoder_layer, rms_norm
+from jaxgrpo.sharding import ShardingCtx
 from jaxgrpo.types import Array
-
-_HEAD_AXES = ("act_batch", "act_length", "act_heads", "act_head_dim")
-_KV_AXES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
 
 
 @flax.struct.dataclass
@@ -191,39 +179,60 @@ def decode_layer(
     Returns:
         (new residual stream, updated (k, v)).
     """
-    dtype = x_BTD.dtype
-    b, t, _ = x_BTD.shape
-    h = cos.shape[-1] * 2
-    h_BTD = rms_norm(x_BTD, w.attn_norm, w.eps)
-    qkv_BTX = _project(h_BTD, w.qkv, w.qkv_bias)
-    n = w.o.shape[1] // h
-    k = (qkv_BTX.shape[-1] // h - n) // 2
-    grouped = qkv_BTX.reshape(b, t, k, n // k + 2, h)  # [B, T, K, M + 2, H]
-    q_BTNH = grouped[..., : n // k, :].reshape(b, t, n, h)
-    k_BTKH, v_BTKH = grouped[..., -2, :], grouped[..., -1, :]
-    if w.q_norm is not None:
-        q_BTNH, k_BTKH = rms_norm(q_BTNH, w.q_norm, w.eps), rms_norm(k_BTKH, w.k_norm, w.eps)
-    q_BTNH = shard_act(apply_rope(q_BTNH, cos, sin), _HEAD_AXES, ctx)
-    k_BTKH = shard_act(apply_rope(k_BTKH, cos, sin), _KV_AXES, ctx)
-    v_BTKH = shard_act(v_BTKH, _KV_AXES, ctx)
 
-    k, v = kv
-    new_k, new_v = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
-    if layer is None:
-        k = jax.lax.dynamic_update_slice(k, new_k.astype(k.dtype), (0, 0, 0, index))
-        v = jax.lax.dynamic_update_slice(v, new_v.astype(v.dtype), (0, 0, index, 0))
-        k_BKHS, v_BKSH = k, v
-    else:
-        k = jax.lax.dynamic_update_slice(k, new_k[None].astype(k.dtype), (layer, 0, 0, 0, index))
-        v = jax.lax.dynamic_update_slice(v, new_v[None].astype(v.dtype), (layer, 0, 0, index, 0))
-        k_BKHS = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)
-        v_BKSH = jax.lax.dynamic_index_in_dim(v, layer, keepdims=False)
-    attn_BTNH = attend_shared_prompt(q_BTNH, prompt_kv, prompt_mask, (k_BKHS, v_BKSH), mask_BTS)
-    x_BTD = x_BTD + _project(attn_BTNH.reshape(b, t, -1), w.o, w.o_bias).astype(dtype)
+    def attend_fn(q_BTNH, k_BTKH, v_BTKH):
+        k, v = kv
+        new_k, new_v = k_BTKH.transpose(0, 2, 3, 1), v_BTKH.transpose(0, 2, 1, 3)
+        if layer is None:
+            k = jax.lax.dynamic_update_slice(k, new_k.astype(k.dtype), (0, 0, 0, index))
+            v = jax.lax.dynamic_update_slice(v, new_v.astype(v.dtype), (0, 0, index, 0))
+            k_BKHS, v_BKSH = k, v
+        else:
+            start_k, start_v = (layer, 0, 0, 0, index), (layer, 0, 0, index, 0)
+            k = jax.lax.dynamic_update_slice(k, new_k[None].astype(k.dtype), start_k)
+            v = jax.lax.dynamic_update_slice(v, new_v[None].astype(v.dtype), start_v)
+            k_BKHS = jax.lax.dynamic_index_in_dim(k, layer, keepdims=False)
+            v_BKSH = jax.lax.dynamic_index_in_dim(v, layer, keepdims=False)
+        prompt = (*prompt_kv, prompt_mask)
+        attn_BTNH = attend(q_BTNH, k_BKHS, v_BKSH, mask_BTS, heads_first=True, prompt=prompt)
+        return attn_BTNH, (k, v)
 
-    h_BTD = rms_norm(x_BTD, w.mlp_norm, w.eps)
-    gate_up_BTF2 = _project(h_BTD, w.gate_up, None).reshape(b, t, -1, 2)
-    act_BTF = jax.nn.silu(gate_up_BTF2[..., 0]) * gate_up_BTF2[..., 1]
-    act_BTF = shard_act(act_BTF, ("act_batch", "act_length", "act_mlp"), ctx)
-    x_BTD = x_BTD + _project(act_BTF, w.down, None).astype(dtype)
-    return shard_act(x_BTD, ("act_batch", "act_length", "act_embed"), ctx), (k, v)
+    return decoder_layer(_DecodeOps(w, cos.shape[-1] * 2), x_BTD, cos, sin, attend_fn, ctx)
+
+
+class _DecodeOps:
+    """A `DecodeLayer` as the operations of `layers.LayerWeights` (head_dim H static)."""
+
+    def __init__(self, w: DecodeLayer, head_dim: int):
+        self.w, self.h = w, head_dim
+
+    def attn_norm(self, x_BTD: Array) -> Array:
+        return rms_norm(x_BTD, self.w.attn_norm, self.w.eps)
+
+    def mlp_norm(self, x_BTD: Array) -> Array:
+        return rms_norm(x_BTD, self.w.mlp_norm, self.w.eps)
+
+    def qkv(self, h_BTD: Array) -> tuple[Array, Array, Array]:
+        w, h = self.w, self.h
+        b, t, _ = h_BTD.shape
+        qkv_BTX = _project(h_BTD, w.qkv, w.qkv_bias)
+        n = w.o.shape[1] // h
+        k = (qkv_BTX.shape[-1] // h - n) // 2
+        grouped = qkv_BTX.reshape(b, t, k, n // k + 2, h)  # [B, T, K, M + 2, H]
+        q_BTNH = grouped[..., : n // k, :].reshape(b, t, n, h)
+        k_BTKH, v_BTKH = grouped[..., -2, :], grouped[..., -1, :]
+        if w.q_norm is not None:
+            q_BTNH, k_BTKH = rms_norm(q_BTNH, w.q_norm, w.eps), rms_norm(k_BTKH, w.k_norm, w.eps)
+        return q_BTNH, k_BTKH, v_BTKH
+
+    def o(self, a_BTNH: Array) -> Array:
+        b, t = a_BTNH.shape[:2]
+        return _project(a_BTNH.reshape(b, t, -1), self.w.o, self.w.o_bias)
+
+    def gate_up(self, h_BTD: Array) -> tuple[Array, Array]:
+        b, t, _ = h_BTD.shape
+        gate_up_BTF2 = _project(h_BTD, self.w.gate_up, None).reshape(b, t, -1, 2)
+        return gate_up_BTF2[..., 0], gate_up_BTF2[..., 1]
+
+    def down(self, a_BTF: Array) -> Array:
+        return _project(a_BTF, self.w.down, None)

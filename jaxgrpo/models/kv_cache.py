@@ -1,4 +1,8 @@
-"""KVCache: the decoder's key/value cache as an explicit pytree (in and out of jit).
+"""The decoder's key/value caches as explicit pytrees (in and out of jit).
+
+`KVCache` is the prompt pass's (`Transformer.prefill`), `LayerKVCache` the decode steps'
+(`Transformer.decode_step`); the scoring passes keep no cache, only a (k, v) tuple of a prompt's
+keys and values (`Transformer.forward(prefix_kv=...)`).
 
 Every row writes at the same slot (`index`), which is what left padding buys: prompts are
 left-padded to a common length P, so prefill fills slots [0, P) for all rows and each decode
@@ -22,7 +26,7 @@ _VALUES = ("act_batch", "act_kv_heads", "act_kv_length", "act_head_dim")  # [B, 
 
 @flax.struct.dataclass
 class KVCache:
-    """Stacked per-layer keys and values.
+    """Stacked per-layer keys and values, written by `Transformer.prefill`.
 
     Attributes:
         k: keys [L, B, S, K, H], RoPE already applied.
@@ -87,7 +91,8 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCach
 
 @flax.struct.dataclass
 class LayerKVCache:
-    """The decode-time cache: heads before slots, the prompt stored once per prompt.
+    """The decode-time cache of `Transformer.decode_step`: heads before slots, the prompt
+    stored once per prompt.
 
     The scanned `KVCache` suits prefill and training, but in a one-token decode step its
     [B, S, K, H] layout makes the attention dots transpose it. Here keys are [B, K, H, S]
@@ -101,7 +106,7 @@ class LayerKVCache:
 
     The G samples of a prompt share its keys and values, so the prompt part keeps one row per
     prompt and `repeat(G)` repeats only the completion part: a decode step reads the prompt
-    cache once per group (`layers.attend_shared_prompt`), not once per sample.
+    cache once per group (`layers.attend(prompt=...)`), not once per sample.
 
     Attributes:
         prompt_k: prompt keys [B, K, H, P] per layer, RoPE already applied.
@@ -165,8 +170,8 @@ class LayerKVCache:
 
     def constrain(self, ctx: ShardingCtx | None) -> LayerKVCache:
         """The cache pinned to the activation rules, as `KVCache.constrain`. The completion
-        part starts as zeros, which XLA would otherwise replicate: for gsm8k_hard on v5e-64
-        that was 8 GiB per chip instead of 0.13."""
+        part starts as zeros, which XLA would otherwise replicate on every chip (see
+        benchmarks/README.md, "Measurements behind code choices")."""
 
         def pin(axes):
             return lambda x, row_axis: shard_act(x, ("layers",) * row_axis + axes, ctx)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -21,11 +23,18 @@ from flax import nnx
 
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.lora import LoRA
+from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
 
 # Finite instead of -inf so a query row with no visible key (a left-pad position) gives uniform
 # attention (finite garbage) rather than NaN, which would poison gradients through the mask.
 _MASK_VALUE = -1e30
+
+# Logical axes of a layer's activations, for every layout of its weights.
+X_AXES = ("act_batch", "act_length", "act_embed")  # residual stream [B, T, D]
+HEAD_AXES = ("act_batch", "act_length", "act_heads", "act_head_dim")  # queries [B, T, N, H]
+KV_AXES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")  # keys, values [B, T, K, H]
+MLP_AXES = ("act_batch", "act_length", "act_mlp")  # SwiGLU product [B, T, F]
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -117,19 +126,16 @@ class Einsum(nnx.Module):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def project(x: Array, kernel: Array, n_in: int) -> Array:
     """`tensordot(x, kernel, n_in)`: x [..., *in] and kernel [*in, *out] -> [..., *out], with
-    the kernel's gradient formed as `x^T dy`, directly in the kernel's [in, out] layout. Used
-    on XLA:CPU only: compiled for TPU it moved about 5% more bytes than plain autodiff in a
-    full fine-tuning update (see `python -m jaxgrpo.compile`).
+    the kernel's gradient formed as `x^T dy`, directly in the kernel's [in, out] layout.
+    Used on XLA:CPU only (for TPU plain autodiff moves fewer bytes).
 
     Autodiff of a projection forms it as `dy^T x` [out, in] and then transposes it, and
-    XLA:CPU's dot also copies dy into [out, rows] order first. In a full fine-tuning update of
-    the issue-5 workload (`benchmarks/grpo_step.py`) those copies, two per projection per
-    layer, were the largest non-matmul cost. Written as `x^T dy`, only x (the narrower
-    [rows, in] operand for the MLP's up-projections) is transposed.
-
-    The saved values are x and the kernel exactly as passed (not reshaped), so a layer scan
-    reuses its per-layer weight slices in the backward pass instead of stacking a copy of them
-    (a reshaped kernel cost a LoRA update 0.5 GB more temporary memory).
+    XLA:CPU's dot also copies dy into [out, rows] order first: two copies per projection per
+    layer, the largest non-matmul cost of a CPU fine-tuning update. Written as `x^T dy`, only x
+    (the narrower [rows, in] operand for the MLP's up-projections) is transposed. The saved
+    values are x and the kernel exactly as passed (not reshaped), so a layer scan reuses its
+    per-layer weight slices in the backward pass instead of stacking a copy of them. Figures:
+    benchmarks/README.md, "Measurements behind code choices".
     """
     return jnp.tensordot(x, kernel, axes=n_in)
 
@@ -228,89 +234,154 @@ def apply_rope(x_BTNH: Array, cos: Array, sin: Array) -> Array:
     return out.astype(x_BTNH.dtype)
 
 
-def attend(q_BTNH: Array, k_BSKH: Array, v_BSKH: Array, mask_BTS: Array) -> Array:
-    """Grouped-query softmax attention; scores and softmax in float32.
-
-    Args:
-        q_BTNH: queries, N = K * M (M query heads share each kv head).
-        k_BSKH / v_BSKH: keys and values.
-        mask_BTS: True where query t may attend key s.
-
-    Returns:
-        [B, T, N, H] in q's dtype.
-    """
-    b, t, n, h = q_BTNH.shape
-    k = k_BSKH.shape[2]
-    q_BTKMH = q_BTNH.reshape(b, t, k, n // k, h)
-    scores = jnp.einsum(
-        "BTKMH,BSKH->BKMTS",
-        q_BTKMH,
-        k_BSKH.astype(q_BTNH.dtype),
-        preferred_element_type=jnp.float32,
-    ) * (1.0 / math.sqrt(h))
-    probs = _masked_softmax(scores, mask_BTS).astype(q_BTNH.dtype)
-    out = jnp.einsum("BKMTS,BSKH->BTKMH", probs, v_BSKH.astype(q_BTNH.dtype))
-    return out.reshape(b, t, n, h)
-
-
-def attend_shared_prompt(
+def attend(
     q_RTNH: Array,
-    prompt_kv: tuple[Array, Array],
-    prompt_mask_BP: Array,
-    kv: tuple[Array, Array],
+    k: Array,
+    v: Array,
     mask_RTS: Array,
+    *,
+    heads_first: bool = False,
+    prompt: tuple[Array, Array, Array] | None = None,
 ) -> Array:
-    """`attend` for the decode cache: a prompt part shared by each group of rows, then each
-    row's own completion slots, both stored heads-first.
+    """Grouped-query softmax attention over R rows; scores and softmax in float32.
 
-    Rows r = b*G .. b*G+G-1 are the G samples of prompt b (R = B * G). The prompt's keys and
-    values are stored once per prompt, so its scores are one matmul per (prompt, kv head)
-    with the G * M * T queries of the group as rows, reading the prompt cache once per group
-    instead of once per row. One softmax runs over the prompt and completion slots together.
+    With `prompt`, the rows are the R = B * G samples of B prompts (rows b*G .. b*G+G-1 of
+    prompt b), and each prompt's keys, stored once, come before the rows' own. The prompt's
+    scores are one matmul per (prompt, kv head) with the group's G * M * T queries as rows, so
+    a decode step reads the prompt cache once per group instead of once per row. One softmax
+    runs over the prompt and the own slots together.
 
     Args:
-        q_RTNH: queries, N = K * M.
-        prompt_kv: keys [B, K, H, P] and values [B, K, P, H] of the prompts.
-        prompt_mask_BP: True at real (non-pad) prompt slots; every query may attend them.
-        kv: keys [R, K, H, S] and values [R, K, S, H] of the completion slots.
-        mask_RTS: True where query t may attend completion slot s.
+        q_RTNH: queries, N = K * M (M query heads share each kv head).
+        k / v: keys and values [R, S, K, H]; with `heads_first` (the decode cache's layout)
+            keys [R, K, H, S] and values [R, K, S, H].
+        mask_RTS: True where query t may attend key s.
+        prompt: None, or the prompts' keys [B, K, H, P], values [B, K, P, H] and mask [B, P]
+            (True at real slots, which every query of the prompt's rows may attend).
 
     Returns:
         [R, T, N, H] in q's dtype.
     """
     r, t, n, h = q_RTNH.shape
-    (pk_BKHP, pv_BKPH), (k_RKHS, v_RKSH) = prompt_kv, kv
-    b, k, p, _ = pv_BKPH.shape
-    g, m, dtype = r // b, n // k, q_RTNH.dtype
-    scale = 1.0 / math.sqrt(h)
-    # Prompt part: the group's queries as rows X = G * M * T of one matmul per (b, k).
-    q_BKXH = q_RTNH.reshape(b, g, t, k, m, h).transpose(0, 3, 1, 4, 2, 5).reshape(b, k, -1, h)
-    prompt_BKXP = jnp.einsum(
-        "BKXH,BKHP->BKXP", q_BKXH, pk_BKHP.astype(dtype), preferred_element_type=jnp.float32
-    )
-    prompt_RKMTP = (
-        prompt_BKXP.reshape(b, k, g, m, t, p).transpose(0, 2, 1, 3, 4, 5).reshape(r, k, m, t, p)
-    )
-    q_RKMTH = q_RTNH.reshape(r, t, k, m, h).transpose(0, 2, 3, 1, 4)
-    own_RKMTS = jnp.einsum(
-        "RKMTH,RKHS->RKMTS", q_RKMTH, k_RKHS.astype(dtype), preferred_element_type=jnp.float32
-    )
-    scores = jnp.concatenate([prompt_RKMTP, own_RKMTS], axis=-1) * scale
-    prompt_mask_RTP = jnp.broadcast_to(jnp.repeat(prompt_mask_BP, g, axis=0)[:, None, :], (r, t, p))
-    probs = _masked_softmax(scores, jnp.concatenate([prompt_mask_RTP, mask_RTS], axis=-1))
-    probs = probs.astype(dtype)
-    probs_BKXP = (
-        probs[..., :p].reshape(b, g, k, m, t, p).transpose(0, 2, 1, 3, 4, 5).reshape(b, k, -1, p)
-    )
-    out_BKXH = jnp.einsum("BKXP,BKPH->BKXH", probs_BKXP, pv_BKPH.astype(dtype))
-    out_RKMTH = out_BKXH.reshape(b, k, g, m, t, h).transpose(0, 2, 1, 3, 4, 5)
-    out_RKMTH = out_RKMTH.reshape(r, k, m, t, h) + jnp.einsum(
-        "RKMTS,RKSH->RKMTH", probs[..., p:], v_RKSH.astype(dtype)
-    )
-    return out_RKMTH.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h)
+    kh = k.shape[1 if heads_first else 2]
+    m, dtype = n // kh, q_RTNH.dtype
+    if heads_first:
+        q_RKMTH = q_RTNH.reshape(r, t, kh, m, h).transpose(0, 2, 3, 1, 4)
+        scores_RKMTS = jnp.einsum(
+            "RKMTH,RKHS->RKMTS", q_RKMTH, k.astype(dtype), preferred_element_type=jnp.float32
+        )
+    else:
+        q_RTKMH = q_RTNH.reshape(r, t, kh, m, h)
+        scores_RKMTS = jnp.einsum(
+            "RTKMH,RSKH->RKMTS", q_RTKMH, k.astype(dtype), preferred_element_type=jnp.float32
+        )
+    if prompt is not None:
+        pk_BKHP, pv_BKPH, prompt_mask_BP = prompt
+        b, p = prompt_mask_BP.shape
+        g = r // b
+        # The group's queries as rows X = G * M * T of one matmul per (prompt, kv head).
+        q_BKGMTH = q_RTNH.reshape(b, g, t, kh, m, h).transpose(0, 3, 1, 4, 2, 5)
+        prompt_BKXP = jnp.einsum(
+            "BKXH,BKHP->BKXP",
+            q_BKGMTH.reshape(b, kh, -1, h),
+            pk_BKHP.astype(dtype),
+            preferred_element_type=jnp.float32,
+        )
+        prompt_RKMTP = (
+            prompt_BKXP.reshape(b, kh, g, m, t, p)
+            .transpose(0, 2, 1, 3, 4, 5)
+            .reshape(r, kh, m, t, p)
+        )
+        scores_RKMTS = jnp.concatenate([prompt_RKMTP, scores_RKMTS], axis=-1)
+        prompt_mask_RTP = jnp.broadcast_to(
+            jnp.repeat(prompt_mask_BP, g, axis=0)[:, None, :], (r, t, p)
+        )
+        mask_RTS = jnp.concatenate([prompt_mask_RTP, mask_RTS], axis=-1)
+    probs = _masked_softmax(scores_RKMTS * (1.0 / math.sqrt(h)), mask_RTS).astype(dtype)
+    if prompt is not None:
+        probs_BKXP = (
+            probs[..., :p]
+            .reshape(b, g, kh, m, t, p)
+            .transpose(0, 2, 1, 3, 4, 5)
+            .reshape(b, kh, -1, p)
+        )
+        out_BKXH = jnp.einsum("BKXP,BKPH->BKXH", probs_BKXP, pv_BKPH.astype(dtype))
+        prompt_out_RKMTH = (
+            out_BKXH.reshape(b, kh, g, m, t, h).transpose(0, 2, 1, 3, 4, 5).reshape(r, kh, m, t, h)
+        )
+        probs = probs[..., p:]
+    if heads_first:
+        out_RKMTH = jnp.einsum("RKMTS,RKSH->RKMTH", probs, v.astype(dtype))
+        if prompt is not None:
+            out_RKMTH = prompt_out_RKMTH + out_RKMTH
+        return out_RKMTH.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h)
+    out_RTKMH = jnp.einsum("RKMTS,RSKH->RTKMH", probs, v.astype(dtype))
+    if prompt is not None:
+        out_RTKMH = out_RTKMH + prompt_out_RKMTH.transpose(0, 3, 1, 2, 4)
+    return out_RTKMH.reshape(r, t, n, h)
 
 
-def _masked_softmax(scores_BKMTS: Array, mask_BTS: Array) -> Array:
+def _masked_softmax(scores_RKMTS: Array, mask_RTS: Array) -> Array:
     """float32 softmax over key slots, with masked slots at a large negative score."""
-    scores_BKMTS = jnp.where(mask_BTS[:, None, None, :, :], scores_BKMTS, _MASK_VALUE)
-    return jax.nn.softmax(scores_BKMTS, axis=-1)
+    scores_RKMTS = jnp.where(mask_RTS[:, None, None, :, :], scores_RKMTS, _MASK_VALUE)
+    return jax.nn.softmax(scores_RKMTS, axis=-1)
+
+
+class LayerWeights(Protocol):
+    """One decoder layer's weights, as the operations `decoder_layer` applies.
+
+    Implemented by `transformer.Block` (training layout, LoRA unmerged) and by the decode
+    layout of `jaxgrpo.models.decode`; each owns its weight layout, not the arithmetic.
+    """
+
+    def attn_norm(self, x_BTD: Array) -> Array: ...
+
+    def qkv(self, h_BTD: Array) -> tuple[Array, Array, Array]:
+        """q [B, T, N, H], k and v [B, T, K, H], q/k-normed (Qwen3), before RoPE."""
+        ...
+
+    def o(self, a_BTNH: Array) -> Array: ...
+
+    def mlp_norm(self, x_BTD: Array) -> Array: ...
+
+    def gate_up(self, h_BTD: Array) -> tuple[Array, Array]:
+        """The SwiGLU gate and up projections, each [B, T, F]."""
+        ...
+
+    def down(self, a_BTF: Array) -> Array: ...
+
+
+# attend(q_BTNH, k_BTKH, v_BTKH) -> (attention output [B, T, N, H], the updated cache or None):
+# owns where keys and values come from (a cache, a prefix) and where the new ones go.
+AttendFn = Callable[[Array, Array, Array], tuple[Array, Any]]
+
+
+def decoder_layer(
+    w: LayerWeights,
+    x_BTD: Array,
+    cos: Array,
+    sin: Array,
+    attend_fn: AttendFn,
+    ctx: ShardingCtx | None,
+) -> tuple[Array, Any]:
+    """One pre-norm layer: `x + o(attn(rope(qkv(norm(x)))))`, then `x + down(SwiGLU(norm(x)))`.
+
+    Args:
+        w: the layer's weights.
+        x_BTD: residual stream in the compute dtype.
+        cos / sin: RoPE tables [B, T, 1, H/2].
+        attend_fn: attention over the new keys and values and whatever cache it reads.
+        ctx: activation sharding context.
+
+    Returns:
+        (new residual stream, what `attend_fn` returned besides the attention output).
+    """
+    q_BTNH, k_BTKH, v_BTKH = w.qkv(w.attn_norm(x_BTD))
+    q_BTNH = shard_act(apply_rope(q_BTNH, cos, sin), HEAD_AXES, ctx)
+    k_BTKH = shard_act(apply_rope(k_BTKH, cos, sin), KV_AXES, ctx)
+    attn_BTNH, kv = attend_fn(q_BTNH, k_BTKH, shard_act(v_BTKH, KV_AXES, ctx))
+    x_BTD = x_BTD + w.o(attn_BTNH).astype(x_BTD.dtype)
+    gate_BTF, up_BTF = w.gate_up(w.mlp_norm(x_BTD))
+    act_BTF = shard_act(jax.nn.silu(gate_BTF) * up_BTF, MLP_AXES, ctx)
+    x_BTD = x_BTD + w.down(act_BTF).astype(x_BTD.dtype)
+    return shard_act(x_BTD, X_AXES, ctx), kv

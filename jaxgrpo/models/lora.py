@@ -109,29 +109,29 @@ class LoRA(nnx.Module):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def low_rank_delta(x_XI: Array, a_IR: Array, b_RO: Array, scale: float) -> Array:
+def low_rank_delta(x_XI: Array, a_IA: Array, b_AO: Array, scale: float) -> Array:
     """`scale * (x A) B` on matrices, with a backward pass that never transposes x.
 
     Autodiff forms dA = x^T g (g = scale * dy B^T), and XLA:CPU's dot then copies x, the
     largest operand, into [in, rows] order once per projection and layer (in a LoRA update of
     the issue-5 workload, the MLP activations' copies alone were the largest non-matmul cost).
-    Here dA = (g^T x)^T: only the narrow g [rows, r] and the result [r, in] are transposed.
+    Here dA = (g^T x)^T: only the narrow g [rows, A] and the result [A, in] are transposed.
     """
-    return _low_rank_fwd(x_XI, a_IR, b_RO, scale)[0]
+    return _low_rank_fwd(x_XI, a_IA, b_AO, scale)[0]
 
 
-def _low_rank_fwd(x_XI, a_IR, b_RO, scale):
-    u_XR = (x_XI @ a_IR) * scale
-    return u_XR @ b_RO, (x_XI, a_IR, b_RO, u_XR)
+def _low_rank_fwd(x_XI, a_IA, b_AO, scale):
+    u_XA = (x_XI @ a_IA) * scale
+    return u_XA @ b_AO, (x_XI, a_IA, b_AO, u_XA)
 
 
 def _low_rank_bwd(scale, residuals, dy_XO):
-    x_XI, a_IR, b_RO, u_XR = residuals
-    db_RO = u_XR.T @ dy_XO
-    g_XR = (dy_XO @ b_RO.T) * scale
-    da_IR = (g_XR.T @ x_XI).T
-    dx_XI = g_XR @ a_IR.T
-    return dx_XI, da_IR, db_RO
+    x_XI, a_IA, b_AO, u_XA = residuals
+    db_AO = u_XA.T @ dy_XO
+    g_XA = (dy_XO @ b_AO.T) * scale
+    da_IA = (g_XA.T @ x_XI).T
+    dx_XI = g_XA @ a_IA.T
+    return dx_XI, da_IA, db_AO
 
 
 low_rank_delta.defvjp(_low_rank_fwd, _low_rank_bwd)

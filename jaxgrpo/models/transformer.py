@@ -6,19 +6,17 @@ scan body each layer's weight slice is merged back into a `Block` (`nnx.merge`),
 per-layer code ordinary module code. `ModelConfig.unroll_layers` unrolls the scan instead
 (longer compile, no stacked residual/gradient buffers in the backward pass).
 
-The KV cache is carried whole through the scan and updated with `dynamic_update_slice` at
-(layer, slot), which XLA performs in place: a decode step never copies the cache.
-
-The sampler's one-token steps take another path (`decode_layers` + `LayerKVCache`, see
-`jaxgrpo.models.decode`): separate per-layer weights and cache buffers, laid out for the
-decode matmuls; prefill, training and scoring use the scan.
+Three entry points, one per use: `forward` (training and scoring, no cache; optionally a
+prompt's keys and values as a prefix), `prefill` (the sampler's prompt pass into a `KVCache`,
+carried whole through the scan and updated in place at (layer, slot)) and `decode_step` (the
+sampler's one-token steps on the decode layout of `jaxgrpo.models.decode` and a
+`LayerKVCache`). Every layer runs the one body `layers.decoder_layer`.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,10 +31,11 @@ from jaxgrpo.models.decode import (
 )
 from jaxgrpo.models.kv_cache import KVCache, LayerKVCache
 from jaxgrpo.models.layers import (
+    X_AXES,
     Einsum,
     RMSNorm,
-    apply_rope,
     attend,
+    decoder_layer,
     rope_cos_sin,
     rope_inv_freq,
 )
@@ -103,21 +102,14 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(h, "head_dim", cfg.rms_norm_eps, **norm_kw) if cfg.qk_norm else None
         self.k_norm = RMSNorm(h, "head_dim", cfg.rms_norm_eps, **norm_kw) if cfg.qk_norm else None
 
-    def qkv(self, x_BTD: Array, cos: Array, sin: Array, ctx: ShardingCtx | None):
-        """Projects, normalises (Qwen3) and rotates: q [B,T,N,H], k and v [B,T,K,H]."""
+    def qkv(self, x_BTD: Array) -> tuple[Array, Array, Array]:
+        """Projects and normalises (Qwen3): q [B,T,N,H], k and v [B,T,K,H], before RoPE."""
         q_BTNH = self.q(x_BTD)
         k_BTKH = self.k(x_BTD)
         v_BTKH = self.v(x_BTD)
         if self.q_norm is not None:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        q_BTNH = shard_act(apply_rope(q_BTNH, cos, sin), _HEAD_AXES, ctx)
-        k_BTKH = shard_act(apply_rope(k_BTKH, cos, sin), _KV_AXES, ctx)
-        return q_BTNH, k_BTKH, shard_act(v_BTKH, _KV_AXES, ctx)
-
-
-_HEAD_AXES = ("act_batch", "act_length", "act_heads", "act_head_dim")
-_KV_AXES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")
-_X_AXES = ("act_batch", "act_length", "act_embed")
+        return q_BTNH, k_BTKH, v_BTKH
 
 
 class MLP(nnx.Module):
@@ -138,17 +130,15 @@ class MLP(nnx.Module):
         )
         self.up_lora = LoRA((d,), (f,), ("embed",), ("mlp",), up_cfg, **lora_kw) if up_cfg else None
 
-    def __call__(self, x_BTD: Array, ctx: ShardingCtx | None) -> Array:
+    def gate_and_up(self, x_BTD: Array) -> tuple[Array, Array]:
+        """The gate and up projections [B, T, F], each with its adapter."""
         gu_BT2F = self.gate_up(x_BTD)
         gate_BTF, up_BTF = gu_BT2F[..., 0, :], gu_BT2F[..., 1, :]
         if self.gate_lora is not None:
             gate_BTF = gate_BTF + self.gate_lora(x_BTD.astype(gate_BTF.dtype))
         if self.up_lora is not None:
             up_BTF = up_BTF + self.up_lora(x_BTD.astype(up_BTF.dtype))
-        h_BTF = shard_act(
-            jax.nn.silu(gate_BTF) * up_BTF, ("act_batch", "act_length", "act_mlp"), ctx
-        )
-        return self.down(h_BTF)
+        return gate_BTF, up_BTF
 
     def merge_lora(self) -> None:
         """Folds gate/up adapters into their halves of the fused kernel and zeroes their B."""
@@ -203,30 +193,41 @@ class Block(nnx.Module):
         Returns:
             (new residual stream, updated (k, v), the new (k, v) with `emit_kv`, or None).
         """
-        h_BTD = self.attn_norm(x_BTD)
-        q_BTNH, k_BTKH, v_BTKH = self.attn.qkv(h_BTD, cos, sin, ctx)
-        if kv is not None:
-            k_LBSKH, v_LBSKH = kv
-            start = (layer, 0, index, 0, 0)
-            k_LBSKH = jax.lax.dynamic_update_slice(
-                k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), start
-            )
-            v_LBSKH = jax.lax.dynamic_update_slice(
-                v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), start
-            )
-            k_BTKH = jax.lax.dynamic_index_in_dim(k_LBSKH, layer, 0, keepdims=False)
-            v_BTKH = jax.lax.dynamic_index_in_dim(v_LBSKH, layer, 0, keepdims=False)
-            kv = (k_LBSKH, v_LBSKH)
-        elif emit_kv:
-            kv = (k_BTKH, v_BTKH)
-        if prefix_kv is not None:
-            pk_BPKH, pv_BPKH = prefix_kv
-            k_BTKH = jnp.concatenate([pk_BPKH.astype(k_BTKH.dtype), k_BTKH], axis=1)
-            v_BTKH = jnp.concatenate([pv_BPKH.astype(v_BTKH.dtype), v_BTKH], axis=1)
-        attn_BTNH = attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS)
-        x_BTD = x_BTD + self.attn.o(attn_BTNH).astype(x_BTD.dtype)
-        x_BTD = x_BTD + self.mlp(self.mlp_norm(x_BTD), ctx).astype(x_BTD.dtype)
-        return shard_act(x_BTD, _X_AXES, ctx), kv
+
+        def attend_fn(q_BTNH, k_BTKH, v_BTKH):
+            new_kv = (k_BTKH, v_BTKH) if emit_kv else None
+            if kv is not None:
+                k_LBSKH, v_LBSKH = kv
+                start = (layer, 0, index, 0, 0)
+                k_LBSKH = jax.lax.dynamic_update_slice(
+                    k_LBSKH, k_BTKH[None].astype(k_LBSKH.dtype), start
+                )
+                v_LBSKH = jax.lax.dynamic_update_slice(
+                    v_LBSKH, v_BTKH[None].astype(v_LBSKH.dtype), start
+                )
+                k_BTKH = jax.lax.dynamic_index_in_dim(k_LBSKH, layer, 0, keepdims=False)
+                v_BTKH = jax.lax.dynamic_index_in_dim(v_LBSKH, layer, 0, keepdims=False)
+                new_kv = (k_LBSKH, v_LBSKH)
+            if prefix_kv is not None:
+                pk_BPKH, pv_BPKH = prefix_kv
+                k_BTKH = jnp.concatenate([pk_BPKH.astype(k_BTKH.dtype), k_BTKH], axis=1)
+                v_BTKH = jnp.concatenate([pv_BPKH.astype(v_BTKH.dtype), v_BTKH], axis=1)
+            return attend(q_BTNH, k_BTKH, v_BTKH, mask_BTS), new_kv
+
+        return decoder_layer(self, x_BTD, cos, sin, attend_fn, ctx)
+
+    # The operations of `layers.LayerWeights` (attn_norm and mlp_norm are the RMSNorm modules).
+    def qkv(self, h_BTD: Array) -> tuple[Array, Array, Array]:
+        return self.attn.qkv(h_BTD)
+
+    def o(self, a_BTNH: Array) -> Array:
+        return self.attn.o(a_BTNH)
+
+    def gate_up(self, h_BTD: Array) -> tuple[Array, Array]:
+        return self.mlp.gate_and_up(h_BTD)
+
+    def down(self, a_BTF: Array) -> Array:
+        return self.mlp.down(a_BTF)
 
 
 class Transformer(nnx.Module):
@@ -245,8 +246,8 @@ class Transformer(nnx.Module):
         self.embed = nnx.Param(emb.astype(cfg.param_dtype), logical_axes=("vocab", "embed"))
         self.layers = Block(cfg, stack=(cfg.num_layers,), rngs=rngs)
         self.final_norm = RMSNorm(d, "embed", cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
-        # The head is stored [V, D] like the embedding: XLA:CPU ran `x @ W.T` with W [V, D]
-        # about 2x faster than with W stored [D, V] at decode shapes (measured, B=32, D=576).
+        # The head is stored [V, D] like the embedding: XLA:CPU runs `x @ W.T` with W [V, D]
+        # faster than with W [D, V] at decode shapes (benchmarks/README.md).
         self.lm_head = (
             None
             if cfg.tie_embeddings
@@ -260,8 +261,7 @@ class Transformer(nnx.Module):
         self.shard_ctx: ShardingCtx | None = None
 
     def __call__(self, input_ids_BT: Array, attention_mask: Array | None = None) -> Array:
-        h_BTD, _ = self.hidden(input_ids_BT, attention_mask)
-        return self.logits(h_BTD)
+        return self.logits(self.forward(input_ids_BT, attention_mask))
 
     def head_weight(self) -> Array:
         """The LM head's weight [V, D] (the embedding when they are tied)."""
@@ -278,89 +278,101 @@ class Transformer(nnx.Module):
         )
         return shard_act(logits_BTV, ("act_batch", "act_length", "act_vocab"), self.shard_ctx)
 
-    def hidden(
+    def forward(
         self,
-        input_ids_BT: Array,
-        attention_mask_BT: Array | None = None,
+        ids_BT: Array,
+        mask_BT: Array | None = None,
         positions_BT: Array | None = None,
-        cache: KVCache | LayerKVCache | None = None,
-        layers: Sequence[DecodeLayer] | None = None,
         attention_BTS: Array | None = None,
         prefix_kv: tuple[Array, Array] | None = None,
         return_kv: bool = False,
-    ) -> tuple[Array, Any]:
-        """Final-normed hidden states, and the updated cache (or the new keys and values).
+    ) -> Array | tuple[Array, tuple[Array, Array]]:
+        """Final-normed hidden states of a pass without a cache (training and scoring).
 
         Args:
-            input_ids_BT: int token ids [B, T].
-            attention_mask_BT: 1 for real tokens, 0 for (left) padding; default all ones.
-            positions_BT: position ids; default `cumsum(mask) - 1` (offset by the cache's
-                `next_pos`), clipped at 0.
-            cache: None for a plain forward; otherwise the T new keys are written at slots
-                [cache.index, cache.index + T) and attention covers the whole cache.
-            layers: the decode path: `decode_layers()`, run one after the other instead of
-                scanning the stacked weights, on a `LayerKVCache`.
-            attention_BTS: bool [B, T, S]: which key slots each query attends, replacing the
-                causal mask over valid slots (S = T, the cache's size, or P + T with
-                `prefix_kv`). For packed sequences, where several completions share one row
-                and one prompt.
-            prefix_kv: stacked keys and values [L, B, P, K, H] of P earlier tokens (from a
-                `return_kv` pass over a prompt), attended before the T new ones and not
-                extended: the scoring passes' way to run completions after their prompt
-                without a cache to write into. Needs `positions_BT` and `attention_BTS`.
-            return_kv: without a cache, return the new tokens' keys and values, stacked
-                [L, B, T, K, H], as the second value.
+            ids_BT: int token ids [B, T].
+            mask_BT: 1 for real tokens, 0 for (left) padding; default all ones.
+            positions_BT: position ids; default `cumsum(mask) - 1`, clipped at 0.
+            attention_BTS: bool [B, T, S]: which keys each query attends (S = T, or P + T
+                with `prefix_kv`), replacing the causal mask over real tokens. For packed
+                sequences, where several completions share one row and one prompt.
+            prefix_kv: the scoring passes' prompt keys and values, each [L, B, P, K, H] (from
+                a `return_kv` pass), attended before the T new ones and not extended. Needs
+                `positions_BT` and `attention_BTS`.
+            return_kv: also return the new tokens' keys and values, each [L, B, T, K, H].
 
         Returns:
-            (h_BTD in the compute dtype, the new cache, the (k, v) of `return_kv`, or None).
+            h_BTD in the compute dtype, or (h_BTD, (k, v)) with `return_kv`.
         """
-        cfg, ctx = self.cfg, self.shard_ctx
-        b, t = input_ids_BT.shape
-        if prefix_kv is not None and (cache is not None or layers is not None):
-            raise ValueError("hidden(prefix_kv=...) takes no cache or decode layers")
+        b, t = ids_BT.shape
         if prefix_kv is not None and (positions_BT is None or attention_BTS is None):
-            raise ValueError("hidden(prefix_kv=...) needs positions_BT and attention_BTS")
-        if return_kv and cache is not None:
-            raise ValueError("hidden(return_kv=True) runs without a cache")
-        mask_BT = (
-            jnp.ones((b, t), jnp.bool_) if attention_mask_BT is None else attention_mask_BT != 0
-        )
+            raise ValueError("forward(prefix_kv=...) needs positions_BT and attention_BTS")
+        mask_BT = jnp.ones((b, t), jnp.bool_) if mask_BT is None else mask_BT != 0
         if positions_BT is None:
-            offset_B1 = jnp.zeros((b, 1), jnp.int32) if cache is None else cache.next_pos[:, None]
-            positions_BT = jnp.maximum(offset_B1 + jnp.cumsum(mask_BT, axis=1) - 1, 0)
-        cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(cfg))
-        x_BTD = jnp.take(self.embed[...], input_ids_BT, axis=0).astype(cfg.dtype)
-        x_BTD = shard_act(x_BTD, _X_AXES, ctx)
-
-        if cache is None:
-            q_pos_T = jnp.arange(t)
-            key_mask_BS = mask_BT
-        else:
-            q_pos_T = cache.index + jnp.arange(t)
-            key_mask_BS = jax.lax.dynamic_update_slice(cache.mask, mask_BT, (0, cache.index))
-        s = key_mask_BS.shape[1] + (0 if prefix_kv is None else prefix_kv[0].shape[2])
+            positions_BT = _positions(jnp.zeros((b, 1), jnp.int32), mask_BT)
+        x_BTD, cos, sin = self._embed(ids_BT, positions_BT)
+        s = t + (0 if prefix_kv is None else prefix_kv[0].shape[2])
         if attention_BTS is None:
-            causal_TS = jnp.arange(s)[None, :] <= q_pos_T[:, None]
-            mask_BTS = key_mask_BS[:, None, :] & causal_TS[None, :, :]
+            mask_BTS = _causal(mask_BT, jnp.arange(t))
         elif attention_BTS.shape != (b, t, s):
             raise ValueError(f"attention_BTS has shape {attention_BTS.shape}, want {(b, t, s)}")
         else:
             mask_BTS = attention_BTS.astype(jnp.bool_)
-
-        if layers is not None:
-            x_BTD, kv = self._run_decode_layers(layers, x_BTD, cos, sin, mask_BTS, cache)
-        else:
-            x_BTD, kv = self._run_layers(x_BTD, cos, sin, mask_BTS, cache, prefix_kv, return_kv)
+        x_BTD, kv = self._run_layers(x_BTD, cos, sin, mask_BTS, None, prefix_kv, return_kv)
         h_BTD = self.final_norm(x_BTD)
-        if cache is not None:
-            cache = cache.replace(
-                k=kv[0],
-                v=kv[1],
-                mask=key_mask_BS,
-                next_pos=cache.next_pos + jnp.sum(mask_BT, axis=1, dtype=jnp.int32),
-                index=cache.index + t,
-            )
-        return h_BTD, kv if return_kv else cache
+        return (h_BTD, kv) if return_kv else h_BTD
+
+    def prefill(self, ids_BT: Array, mask_BT: Array, cache: KVCache) -> tuple[Array, KVCache]:
+        """The sampler's prompt pass: writes the T tokens' keys and values into `cache` at
+        slots [cache.index, cache.index + T); attention covers the whole cache.
+
+        Args:
+            ids_BT: int token ids [B, T], left-padded.
+            mask_BT: 1 for real tokens, 0 for padding.
+            cache: the stacked cache to extend.
+
+        Returns:
+            (h_BTD in the compute dtype, the extended cache).
+        """
+        return self._cached(ids_BT, mask_BT, cache, self._run_layers)
+
+    def decode_step(
+        self,
+        ids_BT: Array,
+        mask_BT: Array,
+        cache: LayerKVCache,
+        layers: Sequence[DecodeLayer] | DecodeLayer,
+    ) -> tuple[Array, LayerKVCache]:
+        """The sampler's decode step: `prefill` on the decode layout (`decode_layers()`, one
+        after the other or scanned when stacked) and its `LayerKVCache`."""
+        if isinstance(layers, DecodeLayer) != cache.stacked:
+            raise TypeError("stacked decode layers go with a stacked LayerKVCache")
+        run = functools.partial(self._run_decode_layers, layers)
+        return self._cached(ids_BT, mask_BT, cache, run)
+
+    def _embed(self, ids_BT: Array, positions_BT: Array) -> tuple[Array, Array, Array]:
+        """The token embeddings [B, T, D] and the RoPE tables of their positions."""
+        cos, sin = rope_cos_sin(positions_BT, rope_inv_freq(self.cfg))
+        x_BTD = jnp.take(self.embed[...], ids_BT, axis=0).astype(self.cfg.dtype)
+        return shard_act(x_BTD, X_AXES, self.shard_ctx), cos, sin
+
+    def _cached(self, ids_BT, mask_BT, cache, run_layers):
+        """`prefill` and `decode_step`: positions after the cache's, attention over it, and
+        the cache advanced by T slots."""
+        t = ids_BT.shape[1]
+        mask_BT = mask_BT != 0
+        x_BTD, cos, sin = self._embed(ids_BT, _positions(cache.next_pos[:, None], mask_BT))
+        key_mask_BS = jax.lax.dynamic_update_slice(cache.mask, mask_BT, (0, cache.index))
+        mask_BTS = _causal(key_mask_BS, cache.index + jnp.arange(t))
+        x_BTD, (k, v) = run_layers(x_BTD, cos, sin, mask_BTS, cache)
+        cache = cache.replace(
+            k=k,
+            v=v,
+            mask=key_mask_BS,
+            next_pos=cache.next_pos + jnp.sum(mask_BT, axis=1, dtype=jnp.int32),
+            index=cache.index + t,
+        )
+        return self.final_norm(x_BTD), cache
 
     @property
     def scans_decode(self) -> bool:
@@ -392,13 +404,9 @@ class Transformer(nnx.Module):
             for i in range(self.cfg.num_layers)
         ]
 
-    def _run_decode_layers(self, layers, x_BTD, cos, sin, mask_BTS, cache):
-        """The decode path of `hidden`: a scan over stacked `DecodeLayer`s carrying the
+    def _run_decode_layers(self, layers, x_BTD, cos, sin, mask_BTS, cache: LayerKVCache):
+        """The layers of `decode_step`: a scan over stacked `DecodeLayer`s carrying the
         stacked cache, or an unrolled loop over per-layer ones."""
-        if not isinstance(cache, LayerKVCache):
-            raise TypeError("hidden(layers=...) decodes into a LayerKVCache")
-        if isinstance(layers, DecodeLayer) != cache.stacked:
-            raise TypeError("stacked decode layers go with a stacked LayerKVCache")
         step = functools.partial(
             decode_layer, cos=cos, sin=sin, mask_BTS=mask_BTS, index=cache.index,
             prompt_mask=cache.prompt_mask, ctx=self.shard_ctx,
@@ -452,6 +460,18 @@ class Transformer(nnx.Module):
             body, (x_BTD, kv0), (state, layers, prefix_kv), unroll=unroll
         )
         return x_BTD, kv if cache is not None else new_kv
+
+
+def _positions(offset_B1: Array, mask_BT: Array) -> Array:
+    """Position ids `offset + cumsum(mask) - 1`, clipped at 0 (left padding gets 0)."""
+    return jnp.maximum(offset_B1 + jnp.cumsum(mask_BT, axis=1) - 1, 0)
+
+
+def _causal(key_mask_BS: Array, q_pos_T: Array) -> Array:
+    """[B, T, S]: query t (at slot q_pos_T[t]) attends real keys at slots up to its own."""
+    s = key_mask_BS.shape[1]
+    causal_TS = jnp.arange(s)[None, :] <= q_pos_T[:, None]
+    return key_mask_BS[:, None, :] & causal_TS[None, :, :]
 
 
 def layer_block(model: Transformer, i: int) -> Block:

@@ -66,7 +66,7 @@ def sequence_nll_fn(model: nnx.Module, chunk: int = 128) -> Callable:
     def nll(state, ids_BT: Array, mask_BT: Array, weight_BT: Array) -> tuple[Array, Array]:
         m = nnx.merge(graphdef, state)
         b, t = ids_BT.shape
-        h_BTD, _ = m.hidden(ids_BT, mask_BT)
+        h_BTD = m.forward(ids_BT, mask_BT)
         targets_BT = jnp.concatenate([ids_BT[:, 1:], jnp.zeros((b, 1), ids_BT.dtype)], axis=1)
         c = min(chunk, t)
         # [C, B, c, ...]: scan over length chunks so only [B, c, V] logits are live at once.

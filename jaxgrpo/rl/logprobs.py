@@ -7,12 +7,12 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
 * Logits. A full `[B, S, V]` float32 logit tensor is the largest array of a step (Qwen's V is
   152k). Logits are computed only at the T positions that predict completion tokens, and in
   chunks of `chunk_size` positions whose hand-written VJP (`_head_stats`) recomputes each
-  chunk's `[N, C, V]` block instead of storing all of them, unless all of them together take
+  chunk's `[R, C, V]` block instead of storing all of them, unless all of them together take
   at most `KEEP_LOG_PROBS_BYTES` (then the backward pass reads them and skips a matmul).
 * Shared prompts. The G samples of a group have the same prompt, which is usually most of the
   tokens. `shared_prefix_logprobs` runs the prompt once per group, keeping each layer's keys
-  and values (`hidden(return_kv=True)`), and runs only the completions, each layer attending
-  the prompt's keys and values before its own (`hidden(prefix_kv=...)`). Those keys and values
+  and values (`forward(return_kv=True)`), and runs only the completions, each layer attending
+  the prompt's keys and values before its own (`forward(prefix_kv=...)`). Those keys and values
   are ordinary differentiable values, so gradients from all G completions flow back into the
   prompt pass and sum there: the LoRA (or full) gradients are those of the unshared
   computation, which `full_sequence_logprobs` implements and the tests compare against.
@@ -45,7 +45,7 @@ from flax import nnx
 from jaxgrpo.rl.rollout import Packing
 from jaxgrpo.types import Array, PyTree
 
-# Up to this many bytes of [N, T, V] float32 log-probabilities, the backward pass of the
+# Up to this many bytes of [R, T, V] float32 log-probabilities, the backward pass of the
 # head keeps them instead of recomputing the logits (the GRPO benchmark's 512 packed
 # positions x SmolLM2's 49,152 tokens: 100 MB held, a [512, 576] x [576, 49152] matmul saved).
 KEEP_LOG_PROBS_BYTES = 256 << 20
@@ -53,92 +53,92 @@ KEEP_LOG_PROBS_BYTES = 256 << 20
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def _head_stats(
-    h_NCD: Array, w_VD: Array, tokens_NC: Array, temps_NC: Array, dtype: Any, keep: bool
+    h_RCD: Array, w_VD: Array, tokens_RC: Array, temps_RC: Array, dtype: Any, keep: bool
 ) -> tuple[Array, Array]:
-    """Log-prob of `tokens_NC` and entropy under `softmax(h @ w.T / temperature)`.
+    """Log-prob of `tokens_RC` and entropy under `softmax(h @ w.T / temperature)`.
 
-    The backward pass is written by hand. Autodiff of the log-softmax keeps several [N, C, V]
+    The backward pass is written by hand. Autodiff of the log-softmax keeps several [R, C, V]
     intermediates and walks them more often than needed; this backward forms
     d(loss)/d(logits) in one fused pass,
     dlogp * (onehot - p) - dentropy * p * (log p + entropy), all over the temperature,
-    from the [N, C, V] log-probabilities: kept from the forward pass when `keep`, else
-    recomputed (one matmul, so nothing [N, C, V] is held between the passes).
+    from the [R, C, V] log-probabilities: kept from the forward pass when `keep`, else
+    recomputed (one matmul, so nothing [R, C, V] is held between the passes).
     """
-    return _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype, keep)[0]
+    return _head_stats_fwd(h_RCD, w_VD, tokens_RC, temps_RC, dtype, keep)[0]
 
 
-def _head_logits(h_NCD, w_VD, dtype):
+def _head_logits(h_RCD, w_VD, dtype):
     return jnp.einsum(
-        "NCD,VD->NCV", h_NCD.astype(dtype), w_VD.astype(dtype), preferred_element_type=jnp.float32
+        "RCD,VD->RCV", h_RCD.astype(dtype), w_VD.astype(dtype), preferred_element_type=jnp.float32
     )
 
 
-def _head_stats_fwd(h_NCD, w_VD, tokens_NC, temps_NC, dtype, keep):
-    z_NCV = _head_logits(h_NCD, w_VD, dtype) / temps_NC[..., None]
-    lse_NC = jax.nn.logsumexp(z_NCV, axis=-1)
-    logp_NC = jnp.take_along_axis(z_NCV, tokens_NC[..., None], axis=-1)[..., 0] - lse_NC
-    logq_NCV = z_NCV - lse_NC[..., None]
-    entropy_NC = -jnp.sum(jnp.exp(logq_NCV) * logq_NCV, axis=-1)
-    kept = logq_NCV if keep else lse_NC
-    return (logp_NC, entropy_NC), (h_NCD, w_VD, tokens_NC, temps_NC, kept, entropy_NC)
+def _head_stats_fwd(h_RCD, w_VD, tokens_RC, temps_RC, dtype, keep):
+    z_RCV = _head_logits(h_RCD, w_VD, dtype) / temps_RC[..., None]
+    lse_RC = jax.nn.logsumexp(z_RCV, axis=-1)
+    logp_RC = jnp.take_along_axis(z_RCV, tokens_RC[..., None], axis=-1)[..., 0] - lse_RC
+    logq_RCV = z_RCV - lse_RC[..., None]
+    entropy_RC = -jnp.sum(jnp.exp(logq_RCV) * logq_RCV, axis=-1)
+    kept = logq_RCV if keep else lse_RC
+    return (logp_RC, entropy_RC), (h_RCD, w_VD, tokens_RC, temps_RC, kept, entropy_RC)
 
 
 def _head_stats_bwd(dtype, keep, residuals, cotangents):
-    h_NCD, w_VD, tokens_NC, temps_NC, kept, entropy_NC = residuals
-    dlogp_NC, dent_NC = cotangents
+    h_RCD, w_VD, tokens_RC, temps_RC, kept, entropy_RC = residuals
+    dlogp_RC, dent_RC = cotangents
     if keep:
-        logq_NCV = kept
+        logq_RCV = kept
     else:
-        z_NCV = _head_logits(h_NCD, w_VD, dtype) / temps_NC[..., None]
-        logq_NCV = z_NCV - kept[..., None]
-    dz_NCV = -jnp.exp(logq_NCV) * (
-        dlogp_NC[..., None] + dent_NC[..., None] * (logq_NCV + entropy_NC[..., None])
+        z_RCV = _head_logits(h_RCD, w_VD, dtype) / temps_RC[..., None]
+        logq_RCV = z_RCV - kept[..., None]
+    dz_RCV = -jnp.exp(logq_RCV) * (
+        dlogp_RC[..., None] + dent_RC[..., None] * (logq_RCV + entropy_RC[..., None])
     )
-    n, c = tokens_NC.shape
-    dz_NCV = dz_NCV.at[jnp.arange(n)[:, None], jnp.arange(c)[None, :], tokens_NC].add(dlogp_NC)
-    dz_NCV = (dz_NCV / temps_NC[..., None]).astype(dtype)
-    dh_NCD = jnp.einsum(
-        "NCV,VD->NCD", dz_NCV, w_VD.astype(dtype), preferred_element_type=jnp.float32
+    n, c = tokens_RC.shape
+    dz_RCV = dz_RCV.at[jnp.arange(n)[:, None], jnp.arange(c)[None, :], tokens_RC].add(dlogp_RC)
+    dz_RCV = (dz_RCV / temps_RC[..., None]).astype(dtype)
+    dh_RCD = jnp.einsum(
+        "RCV,VD->RCD", dz_RCV, w_VD.astype(dtype), preferred_element_type=jnp.float32
     )
     dw_VD = jnp.einsum(
-        "NCV,NCD->VD", dz_NCV, h_NCD.astype(dtype), preferred_element_type=jnp.float32
+        "RCV,RCD->VD", dz_RCV, h_RCD.astype(dtype), preferred_element_type=jnp.float32
     )
-    return dh_NCD.astype(h_NCD.dtype), dw_VD.astype(w_VD.dtype), None, jnp.zeros_like(temps_NC)
+    return dh_RCD.astype(h_RCD.dtype), dw_VD.astype(w_VD.dtype), None, jnp.zeros_like(temps_RC)
 
 
 _head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
 
 
 def head_token_logprobs(
-    model: Any, h_NTD: Array, tokens_NT: Array, temps_NT: Array, chunk_size: int = 64
+    model: Any, h_RTD: Array, tokens_RT: Array, temps_RT: Array, chunk_size: int = 64
 ) -> tuple[Array, Array]:
-    """Scores `tokens_NT` from the hidden states that predict them, chunk by chunk over T.
+    """Scores `tokens_RT` from the hidden states that predict them, chunk by chunk over T.
 
     Logits come from the model's linear LM head (`model.head_weight()`), C positions at a time
-    under a scan; `_head_stats` recomputes each chunk's [N, C, V] logits in the backward pass
+    under a scan; `_head_stats` recomputes each chunk's [R, C, V] logits in the backward pass
     instead of keeping them.
 
     Args:
         model: a `Transformer` (or anything with `head_weight()` and `cfg.dtype`).
-        h_NTD: hidden state at the position before each token (h_NTD[:, t] predicts
-            tokens_NT[:, t]).
-        tokens_NT: int32 token ids.
-        temps_NT: sampling temperature of each token (0 means greedy: scored at 1).
+        h_RTD: hidden state at the position before each token (h_RTD[:, t] predicts
+            tokens_RT[:, t]).
+        tokens_RT: int32 token ids.
+        temps_RT: sampling temperature of each token (0 means greedy: scored at 1).
         chunk_size: positions per logits block; T is padded up to a multiple of it.
 
     Returns:
-        (logp_NT, entropy_NT), float32.
+        (logp_RT, entropy_RT), float32.
     """
     w_VD, dtype = model.head_weight(), _compute_dtype(model)
-    n, t, d = h_NTD.shape
+    n, t, d = h_RTD.shape
     c = max(1, min(chunk_size, t))
     n_chunks = -(-t // c)
     pad = n_chunks * c - t
     if pad:
-        h_NTD = jnp.pad(h_NTD, ((0, 0), (0, pad), (0, 0)))
-        tokens_NT = jnp.pad(tokens_NT, ((0, 0), (0, pad)))
-        temps_NT = jnp.pad(temps_NT, ((0, 0), (0, pad)), constant_values=1.0)
-    temps_NT = jnp.where(temps_NT > 0, temps_NT, 1.0).astype(jnp.float32)
+        h_RTD = jnp.pad(h_RTD, ((0, 0), (0, pad), (0, 0)))
+        tokens_RT = jnp.pad(tokens_RT, ((0, 0), (0, pad)))
+        temps_RT = jnp.pad(temps_RT, ((0, 0), (0, pad)), constant_values=1.0)
+    temps_RT = jnp.where(temps_RT > 0, temps_RT, 1.0).astype(jnp.float32)
 
     def split(x):
         return jnp.swapaxes(x.reshape((n, n_chunks, c) + x.shape[2:]), 0, 1)
@@ -146,10 +146,10 @@ def head_token_logprobs(
     keep = n * n_chunks * c * w_VD.shape[0] * 4 <= KEEP_LOG_PROBS_BYTES
 
     def stats(_, xs):
-        h_NCD, tokens_NC, temps_NC = xs
-        return None, _head_stats(h_NCD, w_VD, tokens_NC, temps_NC, dtype, keep)
+        h_RCD, tokens_RC, temps_RC = xs
+        return None, _head_stats(h_RCD, w_VD, tokens_RC, temps_RC, dtype, keep)
 
-    _, (logp, ent) = jax.lax.scan(stats, None, (split(h_NTD), split(tokens_NT), split(temps_NT)))
+    _, (logp, ent) = jax.lax.scan(stats, None, (split(h_RTD), split(tokens_RT), split(temps_RT)))
 
     def merge(x):
         return jnp.swapaxes(x, 0, 1).reshape(n, n_chunks * c)[:, :t]
@@ -159,43 +159,43 @@ def head_token_logprobs(
 
 def full_sequence_logprobs(
     model: Any,
-    prompt_ids_NP: Array,
-    prompt_mask_NP: Array,
-    tokens_NT: Array,
-    mask_NT: Array,
-    temps_NT: Array,
+    prompt_ids_RP: Array,
+    prompt_mask_RP: Array,
+    tokens_RT: Array,
+    mask_RT: Array,
+    temps_RT: Array,
     chunk_size: int = 64,
 ) -> tuple[Array, Array]:
     """Unshared scoring: one forward pass over each full (prompt + completion) row.
 
     Args:
         model: a `Transformer`.
-        prompt_ids_NP: int32 left-padded prompts, one row per completion.
-        prompt_mask_NP: prompt validity mask.
-        tokens_NT: int32 completion tokens.
-        mask_NT: completion validity mask (1 up to and including the stop token).
-        temps_NT: sampling temperature of each completion token.
+        prompt_ids_RP: int32 left-padded prompts, one row per completion.
+        prompt_mask_RP: prompt validity mask.
+        tokens_RT: int32 completion tokens.
+        mask_RT: completion validity mask (1 up to and including the stop token).
+        temps_RT: sampling temperature of each completion token.
         chunk_size: positions per logits block.
 
     Returns:
-        (logp_NT, entropy_NT), float32; values at masked positions are finite but meaningless.
+        (logp_RT, entropy_RT), float32; values at masked positions are finite but meaningless.
     """
-    p = prompt_ids_NP.shape[1]
-    t = tokens_NT.shape[1]
-    ids_NS = jnp.concatenate([prompt_ids_NP, tokens_NT], axis=1)
-    mask_NS = jnp.concatenate([prompt_mask_NP, mask_NT], axis=1).astype(jnp.int32)
-    h_NSD, _ = model.hidden(ids_NS, mask_NS)
-    h_NTD = h_NSD[:, p - 1 : p + t - 1]
-    return head_token_logprobs(model, h_NTD, tokens_NT, temps_NT, chunk_size)
+    p = prompt_ids_RP.shape[1]
+    t = tokens_RT.shape[1]
+    ids_RS = jnp.concatenate([prompt_ids_RP, tokens_RT], axis=1)
+    mask_RS = jnp.concatenate([prompt_mask_RP, mask_RT], axis=1).astype(jnp.int32)
+    h_RSD = model.forward(ids_RS, mask_RS)
+    h_RTD = h_RSD[:, p - 1 : p + t - 1]
+    return head_token_logprobs(model, h_RTD, tokens_RT, temps_RT, chunk_size)
 
 
 def shared_prefix_logprobs(
     model: Any,
     prompt_ids_BP: Array,
     prompt_mask_BP: Array,
-    tokens_NT: Array,
-    mask_NT: Array,
-    temps_NT: Array,
+    tokens_RT: Array,
+    mask_RT: Array,
+    temps_RT: Array,
     *,
     group_size: int,
     chunk_size: int = 64,
@@ -209,12 +209,12 @@ def shared_prefix_logprobs(
     each prompt.
 
     Args:
-        model: a `Transformer` (its `hidden` accepts a `KVCache`).
+        model: a `Transformer` (its `forward` takes `prefix_kv`).
         prompt_ids_BP: int32 left-padded prompts, one per group.
         prompt_mask_BP: prompt validity mask.
-        tokens_NT: int32 completion tokens, N = B * group_size, grouped by prompt.
-        mask_NT: completion validity mask.
-        temps_NT: sampling temperature of each completion token.
+        tokens_RT: int32 completion tokens, R = B * group_size, grouped by prompt.
+        mask_RT: completion validity mask.
+        temps_RT: sampling temperature of each completion token.
         group_size: G, completions per prompt.
         chunk_size: positions per logits block.
         packing: score each group's completions packed into one row (see `packed_logprobs`).
@@ -222,51 +222,51 @@ def shared_prefix_logprobs(
             batch (`jaxgrpo.rl.rollout.split_common_prefix`); None or C = 0: none.
 
     Returns:
-        (logp_NT, entropy_NT), float32.
+        (logp_RT, entropy_RT), float32.
     """
     if packing is not None:
         return packed_logprobs(
             model,
             prompt_ids_BP,
             prompt_mask_BP,
-            tokens_NT,
-            temps_NT,
+            tokens_RT,
+            temps_RT,
             packing,
             chunk_size,
             shared_ids,
         )
-    n, t = tokens_NT.shape
+    n, t = tokens_RT.shape
     h_BPD, prompt_kv, slots_BS, next_pos_B = _prompt_pass(
         model, prompt_ids_BP, prompt_mask_BP, shared_ids
     )
     # Left padding puts every prompt's last token in the last column.
-    h_last_ND = jnp.repeat(h_BPD[:, -1], group_size, axis=0)
+    h_last_RD = jnp.repeat(h_BPD[:, -1], group_size, axis=0)
     if t > 1:
         rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
-        own_mask_Nt = mask_NT[:, :-1] != 0
+        own_mask_Rt = mask_RT[:, :-1] != 0
         causal_tt = jnp.tril(jnp.ones((t - 1, t - 1), jnp.bool_))
-        prompt_NtS = jnp.broadcast_to(rep(slots_BS, 0)[:, None, :], (n, t - 1, slots_BS.shape[1]))
-        own_Ntt = causal_tt[None] & own_mask_Nt[:, None, :]
-        positions_Nt = rep(next_pos_B, 0)[:, None] + jnp.cumsum(own_mask_Nt, axis=1) - 1
-        h_NtD, _ = model.hidden(
-            tokens_NT[:, :-1],
-            own_mask_Nt.astype(jnp.int32),
-            positions_BT=jnp.maximum(positions_Nt, 0),
+        prompt_RtS = jnp.broadcast_to(rep(slots_BS, 0)[:, None, :], (n, t - 1, slots_BS.shape[1]))
+        own_Rtt = causal_tt[None] & own_mask_Rt[:, None, :]
+        positions_Rt = rep(next_pos_B, 0)[:, None] + jnp.cumsum(own_mask_Rt, axis=1) - 1
+        h_RtD = model.forward(
+            tokens_RT[:, :-1],
+            own_mask_Rt.astype(jnp.int32),
+            positions_BT=jnp.maximum(positions_Rt, 0),
             prefix_kv=(rep(prompt_kv[0], 1), rep(prompt_kv[1], 1)),
-            attention_BTS=jnp.concatenate([prompt_NtS, own_Ntt], axis=2),
+            attention_BTS=jnp.concatenate([prompt_RtS, own_Rtt], axis=2),
         )
-        h_NTD = jnp.concatenate([h_last_ND[:, None], h_NtD], axis=1)
+        h_RTD = jnp.concatenate([h_last_RD[:, None], h_RtD], axis=1)
     else:
-        h_NTD = h_last_ND[:, None]
-    return head_token_logprobs(model, h_NTD, tokens_NT, temps_NT, chunk_size)
+        h_RTD = h_last_RD[:, None]
+    return head_token_logprobs(model, h_RTD, tokens_RT, temps_RT, chunk_size)
 
 
 def packed_logprobs(
     model: Any,
     prompt_ids_BP: Array,
     prompt_mask_BP: Array,
-    tokens_NT: Array,
-    temps_NT: Array,
+    tokens_RT: Array,
+    temps_RT: Array,
     packing: Packing,
     chunk_size: int = 64,
     shared_ids: Array | None = None,
@@ -282,25 +282,25 @@ def packed_logprobs(
     Args: as `shared_prefix_logprobs`, with `packing` from `jaxgrpo.rl.rollout.pack`.
 
     Returns:
-        (logp_NT, entropy_NT), float32.
+        (logp_RT, entropy_RT), float32.
     """
     b = prompt_ids_BP.shape[0]
-    n, t = tokens_NT.shape
+    n, t = tokens_RT.shape
     width = packing.src_BL.shape[1]
     h_BPD, prompt_kv, slots_BS, next_pos_B = _prompt_pass(
         model, prompt_ids_BP, prompt_mask_BP, shared_ids
     )
 
-    def to_packed(x_NT):
-        return jnp.take_along_axis(x_NT.reshape(b, n // b * t), packing.src_BL, axis=1)
+    def to_packed(x_RT):
+        return jnp.take_along_axis(x_RT.reshape(b, n // b * t), packing.src_BL, axis=1)
 
-    ids_BL, temps_BL = to_packed(tokens_NT), to_packed(temps_NT)
+    ids_BL, temps_BL = to_packed(tokens_RT), to_packed(temps_RT)
     seg_BL, pos_BL = packing.seg_BL, packing.pos_BL
     valid_BL = seg_BL >= 0
     causal_LL = jnp.tril(jnp.ones((width, width), jnp.bool_))
     own_BLL = (seg_BL[:, :, None] == seg_BL[:, None, :]) & causal_LL[None] & valid_BL[:, None, :]
     prompt_BLS = jnp.broadcast_to(slots_BS[:, None, :], (b, width, slots_BS.shape[1]))
-    h_BLD, _ = model.hidden(
+    h_BLD = model.forward(
         ids_BL,
         valid_BL.astype(jnp.int32),
         positions_BT=next_pos_B[:, None] + pos_BL,
@@ -337,13 +337,13 @@ def _prompt_pass(model: Any, prompt_ids_BP: Array, prompt_mask_BP: Array, shared
     valid_BP = mask_BP != 0
     c = 0 if shared_1C is None else shared_1C.shape[1]
     if c == 0:
-        h_BPD, kv = model.hidden(prompt_ids_BP, mask_BP, return_kv=True)
+        h_BPD, kv = model.forward(prompt_ids_BP, mask_BP, return_kv=True)
         return h_BPD, kv, valid_BP, jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
     b, p = prompt_ids_BP.shape
-    _, shared_kv = model.hidden(shared_1C, return_kv=True)
+    _, shared_kv = model.forward(shared_1C, return_kv=True)
     wide_kv = tuple(jnp.broadcast_to(x, (x.shape[0], b) + x.shape[2:]) for x in shared_kv)
     own_BPP = jnp.tril(jnp.ones((p, p), jnp.bool_))[None] & valid_BP[:, None, :]
-    h_BPD, own_kv = model.hidden(
+    h_BPD, own_kv = model.forward(
         prompt_ids_BP,
         mask_BP,
         positions_BT=c + jnp.maximum(jnp.cumsum(mask_BP, axis=1) - 1, 0),
@@ -380,8 +380,8 @@ def make_logprobs_fn(
         out_shardings: optional shardings for (logp, entropy).
 
     Returns:
-        `fn(trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_NT, mask_NT, temps_NT,
-        packing=None, shared_ids=None) -> (logp_NT, entropy_NT)`.
+        `fn(trainable, frozen, prompt_ids_BP, prompt_mask_BP, tokens_RT, mask_RT, temps_RT,
+        packing=None, shared_ids=None) -> (logp_RT, entropy_RT)`.
     """
 
     def fn(
@@ -389,9 +389,9 @@ def make_logprobs_fn(
         frozen,
         prompt_ids_BP,
         prompt_mask_BP,
-        tokens_NT,
-        mask_NT,
-        temps_NT,
+        tokens_RT,
+        mask_RT,
+        temps_RT,
         packing=None,
         shared_ids=None,
     ):
@@ -400,9 +400,9 @@ def make_logprobs_fn(
             model,
             prompt_ids_BP,
             prompt_mask_BP,
-            tokens_NT,
-            mask_NT,
-            temps_NT,
+            tokens_RT,
+            mask_RT,
+            temps_RT,
             group_size=group_size,
             chunk_size=chunk_size,
             packing=packing,

@@ -26,16 +26,16 @@ from jaxgrpo.types import Array, PyTree
 
 @flax.struct.dataclass
 class SampleOutput:
-    """Completions for N = B * G rows (prompt b -> rows b*G .. b*G+G-1).
+    """Completions for R = B * G rows (prompt b -> rows b*G .. b*G+G-1).
 
     Attributes:
-      tokens: int32 [N, T]; ``pad_id`` after the stopping token.
-      logprobs: float32 [N, T]; log-prob of each token under the temperature-scaled,
+      tokens: int32 [R, T]; ``pad_id`` after the stopping token.
+      logprobs: float32 [R, T]; log-prob of each token under the temperature-scaled,
         untruncated distribution (T = 1 for greedy positions); 0 where masked.
-      mask: int32 [N, T]; 1 up to and including the stopping token.
-      lengths: int32 [N]; ``mask.sum(1)``.
-      stop_reason: int32 [N]; ``StopReason`` values.
-      temperatures: float32 [N, T]; the temperature each position was sampled at.
+      mask: int32 [R, T]; 1 up to and including the stopping token.
+      lengths: int32 [R]; ``mask.sum(1)``.
+      stop_reason: int32 [R]; ``StopReason`` values.
+      temperatures: float32 [R, T]; the temperature each position was sampled at.
       steps: int32 scalar; positions actually decoded (< T after an early exit).
     """
 
@@ -58,7 +58,7 @@ def _prefill_step_fn(graphdef: nnx.GraphDef, new_tokens: int):
 
     def step_fn(states, ids_BT, mask_BT, cache):
         model = nnx.merge(graphdef, *states)
-        h_BTD, cache = model.hidden(ids_BT, attention_mask_BT=mask_BT, cache=cache)
+        h_BTD, cache = model.prefill(ids_BT, mask_BT, cache)
         # Only the last position is needed: never build [B, P, V] logits for the prompt.
         cache = LayerKVCache.from_prompt(cache, new_tokens, stacked=model.scans_decode)
         return model.logits(h_BTD[:, -1:, :])[:, 0, :], cache
@@ -67,7 +67,7 @@ def _prefill_step_fn(graphdef: nnx.GraphDef, new_tokens: int):
 
 
 def _decode_step_fn(model: nnx.Module):
-    """``(_, ids_N1, mask_N1, cache) -> (logits_NV, cache)``: one token through the layers.
+    """``(_, ids_R1, mask_R1, cache) -> (logits_RV, cache)``: one token through the layers.
 
     The decode-layout weights (LoRA folded in) are prepared here, before the ``while_loop``,
     so each step reads them in place; the unused first argument is the loop's ``params`` slot.
@@ -75,7 +75,7 @@ def _decode_step_fn(model: nnx.Module):
     layers = model.decode_layers()
 
     def step_fn(_, ids_BT, mask_BT, cache):
-        h_BTD, cache = model.hidden(ids_BT, attention_mask_BT=mask_BT, cache=cache, layers=layers)
+        h_BTD, cache = model.decode_step(ids_BT, mask_BT, cache, layers)
         return model.logits(h_BTD[:, -1:, :])[:, 0, :], cache
 
     return step_fn
@@ -154,18 +154,18 @@ def make_knobs(
 ) -> Knobs:
     """Builds the traced settings with fixed dtypes and shapes, so values never recompile.
 
-    ``temperature`` may be a scalar, a [T] per-position array, or [N, T] (or [N, 1]) per row.
-    ``max_lengths`` may be None (= T), a scalar, or an [N] array.
+    ``temperature`` may be a scalar, a [T] per-position array, or [R, T] (or [R, 1]) per row.
+    ``max_lengths`` may be None (= T), a scalar, or an [R] array.
     """
     t = max_new_tokens
-    temperature_NT = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n, t))
+    temperature_RT = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n, t))
     max_len = t if max_lengths is None else max_lengths
-    max_len_N = jnp.clip(jnp.broadcast_to(jnp.asarray(max_len, jnp.int32), (n,)), 1, t)
+    max_len_R = jnp.clip(jnp.broadcast_to(jnp.asarray(max_len, jnp.int32), (n,)), 1, t)
     return Knobs(
-        temperature_NT=temperature_NT,
+        temperature_RT=temperature_RT,
         top_p=jnp.asarray(top_p, jnp.float32),
         min_p=jnp.asarray(min_p, jnp.float32),
-        max_len_N=max_len_N,
+        max_len_R=max_len_R,
         repetition_count=jnp.asarray(max(repetition_count, 2), jnp.int32),
         pad_id=jnp.asarray(pad_id, jnp.int32),
     )
@@ -174,15 +174,14 @@ def make_knobs(
 def auto_compact_rows(
     n: int, rows_can_stop_early: bool, devices: int | None = None
 ) -> tuple[int, ...]:
-    """The default ``compact_rows``: N / 4 rows, then one row per device, once N >= 16, when
+    """The default ``compact_rows``: R / 4 rows, then one row per device, once R >= 16, when
     rows can stop before the end.
 
     A GRPO batch's completions have a long tail (format_copy: mean 11 of 32 tokens, but most
     batches have a row that runs to 32), so most decode steps would run finished rows. Each
-    level compiles another copy of the decode loop. On the 2-core CPU a SmolLM2-135M decode
-    step took 182 ms for 32 rows, 92 ms for 8 and 33 ms for 1, so the last straggler runs
-    alone. The compacted rows must still split evenly over the ``devices`` the rows are
-    sharded over (default: every device).
+    level compiles another copy of the decode loop; a step's cost falls with its rows, so the
+    last straggler runs alone (figures: benchmarks/README.md). The compacted rows must still
+    split evenly over the ``devices`` the rows are sharded over (default: every device).
     """
     if not rows_can_stop_early or n < 16:
         return ()
@@ -283,12 +282,12 @@ def generate_from_state(
     state = prefill_jit(tuple(states), ids, mask, knobs, rng)
     state = decode_jit(tuple(states), state, knobs)
     return SampleOutput(
-        tokens=state.tokens_NT,
-        logprobs=state.logprobs_NT,
-        mask=state.mask_NT,
-        lengths=state.lengths_N,
-        stop_reason=state.stop_reason_N,
-        temperatures=knobs.temperature_NT,
+        tokens=state.tokens_RT,
+        logprobs=state.logprobs_RT,
+        mask=state.mask_RT,
+        lengths=state.lengths_R,
+        stop_reason=state.stop_reason_R,
+        temperatures=knobs.temperature_RT,
         steps=state.step,
     )
 
@@ -297,14 +296,14 @@ def generate(model: nnx.Module, prompt_ids: Array, prompt_mask: Array, **kwargs)
     """Samples ``num_samples`` completions per prompt with a KV cache.
 
     Args:
-      model: a ``jaxgrpo.models.transformer.Transformer`` (any module with ``hidden``/``logits``
-        and a ``cfg`` accepted by ``init_cache``).
+      model: a ``jaxgrpo.models.transformer.Transformer`` (any module with ``prefill``,
+        ``decode_step``, ``decode_layers`` and ``logits`` and a ``cfg`` accepted by ``init_cache``).
       prompt_ids: int32 [B, P] left-padded prompts (P is the bucket length).
       prompt_mask: int32 [B, P], 1 on prompt tokens.
       **kwargs: ``rng`` (PRNG key), ``max_new_tokens`` (T, static), ``temperature`` (scalar,
-        [T] or [N, T]; <= 0 is greedy; traced), ``top_p`` (traced, 1 = off), ``top_k`` (static,
+        [T] or [R, T]; <= 0 is greedy; traced), ``top_p`` (traced, 1 = off), ``top_k`` (static,
         0 = off), ``min_p`` (traced, 0 = off), ``eos_ids`` (static stop tokens),
-        ``num_samples`` (G, static), ``max_lengths`` (per-row cap, [B] or [N], traced),
+        ``num_samples`` (G, static), ``max_lengths`` (per-row cap, [B] or [R], traced),
         ``repetition_ngram`` (static n, 0 = off) and ``repetition_count`` (traced k): stop a row
         whose tail is one block of <= n tokens repeated k times; ``pad_id``; ``cache_dtype``;
         ``compact_rows`` (static M, or decreasing (M1, M2, ...): once at most M rows are
@@ -312,7 +311,7 @@ def generate(model: nnx.Module, prompt_ids: Array, prompt_mask: Array, **kwargs)
         completions are the same either way).
 
     Returns:
-      ``SampleOutput`` with N = B * G rows.
+      ``SampleOutput`` with R = B * G rows.
     """
     graphdef, state = nnx.split(model)
     return generate_from_state(graphdef, (state,), model.cfg, prompt_ids, prompt_mask, **kwargs)

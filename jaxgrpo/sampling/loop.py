@@ -6,10 +6,10 @@ The loop only knows a ``step_fn(params, ids_BT, mask_BT, cache) -> (logits_BV, c
 ``repeat(G)`` method that repeats each batch row G times (``KVCache.repeat``). Tests drive the
 loop with a fake step function; ``jaxgrpo.sampling.generate`` plugs in the Transformer.
 
-Flow for B prompts and G samples each (N = B * G rows, prompt b -> rows b*G .. b*G+G-1):
+Flow for B prompts and G samples each (R = B * G rows, prompt b -> rows b*G .. b*G+G-1):
 
 1. ``prefill``: one ``step_fn`` call over the left-padded prompts [B, P], so each prompt is
-   processed once; its cache and last logits are then repeated to the N rows and token 0 is
+   processed once; its cache and last logits are then repeated to the R rows and token 0 is
    sampled.
 2. ``decode``: while ``step < T`` and some row is still running, feed token ``step - 1`` of
    every row, sample token ``step``, record it. Finished rows keep computing (static shapes)
@@ -71,19 +71,19 @@ class Knobs:
     """Traced sampling settings: new values never recompile.
 
     Attributes:
-      temperature_NT: float32 [N, T]; temperature for each row and completion position
+      temperature_RT: float32 [R, T]; temperature for each row and completion position
         (<= 0 means greedy at that position).
       top_p: float32 scalar nucleus mass (1 = off).
       min_p: float32 scalar min-p ratio (0 = off).
-      max_len_N: int32 [N]; per-row maximum number of new tokens (<= T).
+      max_len_R: int32 [R]; per-row maximum number of new tokens (<= T).
       repetition_count: int32 scalar k of the repetition guard.
       pad_id: int32 scalar written into ``tokens`` after a row stopped.
     """
 
-    temperature_NT: Array
+    temperature_RT: Array
     top_p: Array
     min_p: Array
-    max_len_N: Array
+    max_len_R: Array
     repetition_count: Array
     pad_id: Array
 
@@ -94,108 +94,108 @@ class SamplingState:
 
     Attributes:
       step: int32 scalar; index of the next completion position to sample.
-      tokens_NT: int32 [N, T]; sampled tokens, ``pad_id`` after a row stopped.
-      logprobs_NT: float32 [N, T]; log-probability of each token under the temperature-scaled,
+      tokens_RT: int32 [R, T]; sampled tokens, ``pad_id`` after a row stopped.
+      logprobs_RT: float32 [R, T]; log-probability of each token under the temperature-scaled,
         untruncated distribution; 0 where masked.
-      mask_NT: int32 [N, T]; 1 up to and including the stopping token.
-      lengths_N: int32 [N]; number of unmasked tokens.
-      done_N: bool [N]; the row has stopped.
-      stop_reason_N: int32 [N]; a ``StopReason`` (LENGTH until something else stops the row).
-      repeat_run_NR: int32 [N, R] with R = max(repetition_ngram, 1); for each block length
-        r = 1..R, how many consecutive recent tokens equal the token r positions earlier.
-      cache: the step function's cache pytree, N rows.
+      mask_RT: int32 [R, T]; 1 up to and including the stopping token.
+      lengths_R: int32 [R]; number of unmasked tokens.
+      done_R: bool [R]; the row has stopped.
+      stop_reason_R: int32 [R]; a ``StopReason`` (LENGTH until something else stops the row).
+      repeat_run_RQ: int32 [R, Q] with Q = max(repetition_ngram, 1); for each block length
+        q = 1..Q, how many consecutive recent tokens equal the token q positions earlier.
+      cache: the step function's cache pytree, R rows.
       rng: PRNG key of the whole call; step keys are ``fold_in(rng, step)``.
     """
 
     step: Array
-    tokens_NT: Array
-    logprobs_NT: Array
-    mask_NT: Array
-    lengths_N: Array
-    done_N: Array
-    stop_reason_N: Array
-    repeat_run_NR: Array
+    tokens_RT: Array
+    logprobs_RT: Array
+    mask_RT: Array
+    lengths_R: Array
+    done_R: Array
+    stop_reason_R: Array
+    repeat_run_RQ: Array
     cache: Any
     rng: Array
 
 
-def _repetition_runs(state: SamplingState, token_N: Array, active_N: Array) -> Array:
+def _repetition_runs(state: SamplingState, token_R: Array, active_R: Array) -> Array:
     """Updates the per-block-length runs of ``token == token r positions back``."""
-    num_r = state.repeat_run_NR.shape[1]
-    back_R = jnp.arange(1, num_r + 1, dtype=jnp.int32)
-    pos_R = state.step - back_R
-    n = state.tokens_NT.shape[0]
-    prev_NR = jnp.take(state.tokens_NT, jnp.clip(pos_R, 0), axis=1)
-    same_NR = (prev_NR == token_N[:, None]) & jnp.broadcast_to(pos_R >= 0, (n, num_r))
-    runs_NR = jnp.where(same_NR, state.repeat_run_NR + 1, 0)
-    return jnp.where(active_N[:, None], runs_NR, state.repeat_run_NR)
+    num_q = state.repeat_run_RQ.shape[1]
+    back_Q = jnp.arange(1, num_q + 1, dtype=jnp.int32)
+    pos_Q = state.step - back_Q
+    n = state.tokens_RT.shape[0]
+    prev_RQ = jnp.take(state.tokens_RT, jnp.clip(pos_Q, 0), axis=1)
+    same_RQ = (prev_RQ == token_R[:, None]) & jnp.broadcast_to(pos_Q >= 0, (n, num_q))
+    runs_RQ = jnp.where(same_RQ, state.repeat_run_RQ + 1, 0)
+    return jnp.where(active_R[:, None], runs_RQ, state.repeat_run_RQ)
 
 
 def _record(
-    state: SamplingState, token_N: Array, logprob_N: Array, knobs: Knobs, cfg: LoopConfig
+    state: SamplingState, token_R: Array, logprob_R: Array, knobs: Knobs, cfg: LoopConfig
 ) -> SamplingState:
     """Writes the token sampled at ``state.step`` and updates stop bookkeeping."""
-    active_N = ~state.done_N
+    active_R = ~state.done_R
     step = state.step
-    token_N = jnp.where(active_N, token_N, knobs.pad_id)
-    logprob_N = jnp.where(active_N, logprob_N, 0.0)
-    lengths_N = state.lengths_N + active_N.astype(jnp.int32)
+    token_R = jnp.where(active_R, token_R, knobs.pad_id)
+    logprob_R = jnp.where(active_R, logprob_R, 0.0)
+    lengths_R = state.lengths_R + active_R.astype(jnp.int32)
 
-    stop_tok_N = jnp.isin(token_N, jnp.asarray(cfg.eos_ids, jnp.int32)) & active_N
-    repeat_run_NR = state.repeat_run_NR
-    stop_rep_N = jnp.zeros_like(active_N)
+    stop_tok_R = jnp.isin(token_R, jnp.asarray(cfg.eos_ids, jnp.int32)) & active_R
+    repeat_run_RQ = state.repeat_run_RQ
+    stop_rep_R = jnp.zeros_like(active_R)
     if cfg.repetition_ngram > 0:
-        repeat_run_NR = _repetition_runs(state, token_N, active_N)
+        repeat_run_RQ = _repetition_runs(state, token_R, active_R)
         # A block of length r repeated k times means r * (k - 1) consecutive matches.
-        block_R = jnp.arange(1, cfg.repetition_ngram + 1, dtype=jnp.int32)
-        need_R = block_R * (knobs.repetition_count - 1)
-        hit_NR = repeat_run_NR >= jnp.broadcast_to(need_R, repeat_run_NR.shape)
-        stop_rep_N = jnp.any(hit_NR, axis=1) & active_N & ~stop_tok_N
-    stop_len_N = active_N & (lengths_N >= knobs.max_len_N)
+        block_Q = jnp.arange(1, cfg.repetition_ngram + 1, dtype=jnp.int32)
+        need_Q = block_Q * (knobs.repetition_count - 1)
+        hit_RQ = repeat_run_RQ >= jnp.broadcast_to(need_Q, repeat_run_RQ.shape)
+        stop_rep_R = jnp.any(hit_RQ, axis=1) & active_R & ~stop_tok_R
+    stop_len_R = active_R & (lengths_R >= knobs.max_len_R)
 
-    reason_N = jnp.where(stop_rep_N, StopReason.REPETITION, state.stop_reason_N)
-    reason_N = jnp.where(stop_tok_N, StopReason.STOP_TOKEN, reason_N).astype(jnp.int32)
+    reason_R = jnp.where(stop_rep_R, StopReason.REPETITION, state.stop_reason_R)
+    reason_R = jnp.where(stop_tok_R, StopReason.STOP_TOKEN, reason_R).astype(jnp.int32)
     column = (0, step)
     return state.replace(
         step=step + 1,
-        tokens_NT=jax.lax.dynamic_update_slice(state.tokens_NT, token_N[:, None], column),
-        logprobs_NT=jax.lax.dynamic_update_slice(state.logprobs_NT, logprob_N[:, None], column),
-        mask_NT=jax.lax.dynamic_update_slice(
-            state.mask_NT, active_N[:, None].astype(jnp.int32), column
+        tokens_RT=jax.lax.dynamic_update_slice(state.tokens_RT, token_R[:, None], column),
+        logprobs_RT=jax.lax.dynamic_update_slice(state.logprobs_RT, logprob_R[:, None], column),
+        mask_RT=jax.lax.dynamic_update_slice(
+            state.mask_RT, active_R[:, None].astype(jnp.int32), column
         ),
-        lengths_N=lengths_N,
-        done_N=state.done_N | stop_tok_N | stop_rep_N | stop_len_N,
-        stop_reason_N=reason_N,
-        repeat_run_NR=repeat_run_NR,
+        lengths_R=lengths_R,
+        done_R=state.done_R | stop_tok_R | stop_rep_R | stop_len_R,
+        stop_reason_R=reason_R,
+        repeat_run_RQ=repeat_run_RQ,
     )
 
 
 def _sample_and_record(
     state: SamplingState,
-    logits_NV: Array,
+    logits_RV: Array,
     knobs: Knobs,
     cfg: LoopConfig,
-    rows_N: Array | None = None,
+    rows_R: Array | None = None,
     num_rows: int | None = None,
 ) -> SamplingState:
-    """Samples token ``state.step`` for every row from ``logits_NV`` and records it.
+    """Samples token ``state.step`` for every row from ``logits_RV`` and records it.
 
-    ``rows_N`` / ``num_rows``: after compaction, the rows' places in the full batch.
+    ``rows_R`` / ``num_rows``: after compaction, the rows' places in the full batch.
     """
-    temperature_N = jax.lax.dynamic_index_in_dim(
-        knobs.temperature_NT, state.step, axis=1, keepdims=False
+    temperature_R = jax.lax.dynamic_index_in_dim(
+        knobs.temperature_RT, state.step, axis=1, keepdims=False
     )
-    token_N, logprob_N = select_tokens(
+    token_R, logprob_R = select_tokens(
         jax.random.fold_in(state.rng, state.step),
-        logits_NV,
-        temperature_N,
+        logits_RV,
+        temperature_R,
         knobs.top_p,
         knobs.min_p,
         top_k=cfg.top_k,
-        rows_N=rows_N,
+        rows_R=rows_R,
         num_rows=num_rows,
     )
-    return _record(state, token_N, logprob_N, knobs, cfg)
+    return _record(state, token_R, logprob_R, knobs, cfg)
 
 
 def prefill(
@@ -216,7 +216,7 @@ def prefill(
       prompt_ids_BP: int32 [B, P] left-padded prompts.
       prompt_mask_BP: int32 [B, P], 1 on real prompt tokens.
       cache: an empty cache for B rows with room for P + T tokens.
-      knobs: traced settings for N = B * G rows.
+      knobs: traced settings for R = B * G rows.
       rng: PRNG key for the call.
       cfg: static loop settings.
 
@@ -228,16 +228,16 @@ def prefill(
     if g > 1:
         logits_BV = jnp.repeat(logits_BV, g, axis=0)
         cache = cache.repeat(g)
-    n, t = knobs.temperature_NT.shape
+    n, t = knobs.temperature_RT.shape
     state = SamplingState(
         step=jnp.zeros((), jnp.int32),
-        tokens_NT=jnp.zeros((n, t), jnp.int32),
-        logprobs_NT=jnp.zeros((n, t), jnp.float32),
-        mask_NT=jnp.zeros((n, t), jnp.int32),
-        lengths_N=jnp.zeros((n,), jnp.int32),
-        done_N=jnp.zeros((n,), bool),
-        stop_reason_N=jnp.full((n,), StopReason.LENGTH, jnp.int32),
-        repeat_run_NR=jnp.zeros((n, max(cfg.repetition_ngram, 1)), jnp.int32),
+        tokens_RT=jnp.zeros((n, t), jnp.int32),
+        logprobs_RT=jnp.zeros((n, t), jnp.float32),
+        mask_RT=jnp.zeros((n, t), jnp.int32),
+        lengths_R=jnp.zeros((n,), jnp.int32),
+        done_R=jnp.zeros((n,), bool),
+        stop_reason_R=jnp.full((n,), StopReason.LENGTH, jnp.int32),
+        repeat_run_RQ=jnp.zeros((n, max(cfg.repetition_ngram, 1)), jnp.int32),
         cache=cache,
         rng=rng,
     )
@@ -245,13 +245,13 @@ def prefill(
 
 
 _ROW_FIELDS = (
-    "tokens_NT",
-    "logprobs_NT",
-    "mask_NT",
-    "lengths_N",
-    "done_N",
-    "stop_reason_N",
-    "repeat_run_NR",
+    "tokens_RT",
+    "logprobs_RT",
+    "mask_RT",
+    "lengths_R",
+    "done_R",
+    "stop_reason_R",
+    "repeat_run_RQ",
 )
 
 
@@ -262,7 +262,7 @@ def _take_rows(state: SamplingState, knobs: Knobs, rows_M: Array) -> tuple[Sampl
         cache=state.cache.take(rows_M), **{f: take(getattr(state, f)) for f in _ROW_FIELDS}
     )
     knobs = knobs.replace(
-        temperature_NT=take(knobs.temperature_NT), max_len_N=take(knobs.max_len_N)
+        temperature_RT=take(knobs.temperature_RT), max_len_R=take(knobs.max_len_R)
     )
     return sub, knobs
 
@@ -278,14 +278,14 @@ def decode(
 ) -> SamplingState:
     """Samples tokens ``state.step .. T-1``, exiting as soon as every row has stopped.
 
-    With ``cfg.compact_rows = (M, ...)``, the loop over all N rows stops once at most M rows
+    With ``cfg.compact_rows = (M, ...)``, the loop over all R rows stops once at most M rows
     are running; M rows, all the running ones and then finished ones, in row order, are
     gathered (``cache.take``) and a second loop decodes them, compacting again at the next
     count, and so on. The returned state holds every row's tokens; its cache is then the
-    N-row cache as it was at the first compaction.
+    R-row cache as it was at the first compaction.
 
     Args:
-      step_fn: as in ``prefill``; called on [N, 1] token batches.
+      step_fn: as in ``prefill``; called on [R, 1] token batches.
       params: the step function's parameters.
       state: the state returned by ``prefill``.
       knobs: traced settings.
@@ -294,27 +294,27 @@ def decode(
     Returns:
       The final state; ``step`` is the number of positions actually sampled.
     """
-    n, t = state.tokens_NT.shape
+    n, t = state.tokens_RT.shape
 
     def run(s: SamplingState, kn: Knobs, rows_M: Array | None, until: int) -> SamplingState:
         def cond(s: SamplingState) -> Array:
-            return (s.step < t) & (jnp.sum(~s.done_N) > until)
+            return (s.step < t) & (jnp.sum(~s.done_R) > until)
 
         def body(s: SamplingState) -> SamplingState:
-            last_N1 = jax.lax.dynamic_slice_in_dim(s.tokens_NT, s.step - 1, 1, axis=1)
-            logits_NV, cache = step_fn(params, last_N1, jnp.ones_like(last_N1), s.cache)
-            return _sample_and_record(s.replace(cache=cache), logits_NV, kn, cfg, rows_M, n)
+            last_R1 = jax.lax.dynamic_slice_in_dim(s.tokens_RT, s.step - 1, 1, axis=1)
+            logits_RV, cache = step_fn(params, last_R1, jnp.ones_like(last_R1), s.cache)
+            return _sample_and_record(s.replace(cache=cache), logits_RV, kn, cfg, rows_M, n)
 
         return jax.lax.while_loop(cond, body, s)
 
     def compacting(s: SamplingState, kn: Knobs, rows: Array | None, levels) -> SamplingState:
         """Decodes `s` (whose rows are `rows` of the full batch, None = all) to the end."""
         m = levels[0] if levels else 0
-        if not 0 < m < s.done_N.shape[0]:
+        if not 0 < m < s.done_R.shape[0]:
             return run(s, kn, rows, 0)
         s = run(s, kn, rows, m)
         # Running rows sort first (stable: in row order); keep M of them, in row order.
-        pick_M = jnp.sort(jnp.argsort(s.done_N, stable=True)[:m]).astype(jnp.int32)
+        pick_M = jnp.sort(jnp.argsort(s.done_R, stable=True)[:m]).astype(jnp.int32)
         sub, sub_knobs = _take_rows(s, kn, pick_M)
         rows_M = pick_M if rows is None else jnp.take(rows, pick_M)
         return _put_rows(s, pick_M, compacting(sub, sub_knobs, rows_M, levels[1:]))

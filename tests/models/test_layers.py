@@ -134,7 +134,8 @@ def test_attention_matches_hf(num_kv_heads):
     def ours_fn(model, x, pos, mask):
         block = layer_block(model, 0)
         cos, sin = rope_cos_sin(pos, rope_inv_freq(model.cfg))
-        q, k, v = block.attn.qkv(x, cos, sin, None)
+        q, k, v = block.attn.qkv(x)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         return block.attn.o(attend(q, k, v, _mask_BTS(mask)))
 
     ours = ours_fn(model, x, pos, mask)

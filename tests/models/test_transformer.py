@@ -99,13 +99,13 @@ def _cached(model, ids, mask, prefill_len, group):
     the prefilled cache `group` times and decode the next token on every copy."""
     b, t = ids.shape
     cache = init_cache(model.cfg, b, t + 2)
-    h, cache = model.hidden(ids[:, :prefill_len], mask[:, :prefill_len], cache=cache)
+    h, cache = model.prefill(ids[:, :prefill_len], mask[:, :prefill_len], cache)
     outs, grouped = [model.logits(h)], cache.repeat(group)
     for i in range(prefill_len, t):
-        h, cache = model.hidden(ids[:, i : i + 1], jnp.ones((b, 1), jnp.int32), cache=cache)
+        h, cache = model.prefill(ids[:, i : i + 1], jnp.ones((b, 1), jnp.int32), cache)
         outs.append(model.logits(h))
     nxt = jnp.repeat(ids[:, prefill_len : prefill_len + 1], group, axis=0)
-    h, _ = model.hidden(nxt, jnp.ones((b * group, 1), jnp.int32), cache=grouped)
+    h, _ = model.prefill(nxt, jnp.ones((b * group, 1), jnp.int32), grouped)
     return jnp.concatenate(outs, axis=1), cache, model.logits(h)[:, 0]
 
 
@@ -128,7 +128,7 @@ def test_cached_decoding_equals_full_forward(pair, batch):
 @functools.partial(jax.jit, static_argnums=(3,))
 def _prefix_pass(model, ids, mask, split):
     """Tokens [0, split) with `return_kv`, then [split, T) attending them via `prefix_kv`."""
-    h_head, prefix = model.hidden(ids[:, :split], mask[:, :split], return_kv=True)
+    h_head, prefix = model.forward(ids[:, :split], mask[:, :split], return_kv=True)
     tail_mask = mask[:, split:] != 0
     t = ids.shape[1] - split
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
@@ -140,7 +140,7 @@ def _prefix_pass(model, ids, mask, split):
         axis=2,
     )
     positions = mask[:, :split].sum(1, keepdims=True) + jnp.cumsum(tail_mask, axis=1) - 1
-    h_tail, _ = model.hidden(
+    h_tail = model.forward(
         ids[:, split:], tail_mask, positions_BT=positions, prefix_kv=prefix, attention_BTS=attention
     )
     return model.logits(jnp.concatenate([h_head, h_tail], axis=1)), prefix
@@ -158,9 +158,7 @@ def test_prefix_kv_pass_equals_full_forward(pair, batch):
     valid = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(split_logits)[valid], full[valid], rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="needs positions_BT and attention_BTS"):
-        model.hidden(ids[:, 8:], mask[:, 8:], prefix_kv=(k, v))
-    with pytest.raises(ValueError, match="runs without a cache"):
-        model.hidden(ids, mask, cache=init_cache(cfg, 3, 12), return_kv=True)
+        model.forward(ids[:, 8:], mask[:, 8:], prefix_kv=(k, v))
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
@@ -169,18 +167,18 @@ def _decode_paths(model, ids, mask, prefill_len):
     `KVCache`, and the decode path (`decode_layers`, adapters merged) on a `LayerKVCache`."""
     b, t = ids.shape
     prompt_ids, prompt_mask = ids[:, :prefill_len], mask[:, :prefill_len]
-    _, cache = model.hidden(prompt_ids, prompt_mask, cache=init_cache(model.cfg, b, t))
+    _, cache = model.prefill(prompt_ids, prompt_mask, init_cache(model.cfg, b, t))
     cache = cache.repeat(2)
-    _, prompt = model.hidden(prompt_ids, prompt_mask, cache=init_cache(model.cfg, b, prefill_len))
+    _, prompt = model.prefill(prompt_ids, prompt_mask, init_cache(model.cfg, b, prefill_len))
     layer_cache = LayerKVCache.from_prompt(prompt, t - prefill_len, model.scans_decode).repeat(2)
     layers = model.decode_layers()
     scanned, unrolled = [], []
     for i in range(prefill_len, t):
         step_ids = jnp.repeat(ids[:, i : i + 1], 2, axis=0)
         one = jnp.ones_like(step_ids)
-        h, cache = model.hidden(step_ids, one, cache=cache)
+        h, cache = model.prefill(step_ids, one, cache)
         scanned.append(model.logits(h)[:, 0])
-        h, layer_cache = model.hidden(step_ids, one, cache=layer_cache, layers=layers)
+        h, layer_cache = model.decode_step(step_ids, one, layer_cache, layers)
         unrolled.append(model.logits(h)[:, 0])
     return jnp.stack(scanned, 1), jnp.stack(unrolled, 1), layer_cache
 
@@ -310,8 +308,8 @@ def test_unrolled_layers_equal_the_scan():
         m = nnx.merge(graphdef, state)
         m.cfg = m.cfg.replace(unroll_layers=unroll)
         cache = init_cache(cfg, 2, 9)
-        _, cache = m.hidden(ids, mask, cache=cache)
-        h, _ = m.hidden(ids[:, :1], jnp.ones_like(ids[:, :1]), cache=cache)
+        _, cache = m.prefill(ids, mask, cache)
+        h, _ = m.prefill(ids[:, :1], jnp.ones_like(ids[:, :1]), cache)
         return grads, logits, m.logits(h)
 
     assert "while" in run.lower(state, False).as_text()

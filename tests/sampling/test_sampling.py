@@ -95,26 +95,26 @@ def test_stop_tokens_mask_lengths_and_early_exit():
     """
     prompts = np.array([[3, 4, 5], [1, 2, 10], [7, 7, 0]])
     s = run_loop(successor_table(), prompts, t=12, eos_ids=(9, 12))
-    np.testing.assert_array_equal(s.lengths_N, [4, 2, 9])
-    np.testing.assert_array_equal(s.stop_reason_N, [StopReason.STOP_TOKEN] * 3)
-    np.testing.assert_array_equal(s.tokens_NT[0, :5], [6, 7, 8, 9, 0])
-    np.testing.assert_array_equal(s.tokens_NT[1, :3], [11, 12, 0])
-    np.testing.assert_array_equal(s.mask_NT.sum(1), s.lengths_N)
-    assert s.mask_NT[0, 3] == 1 and s.mask_NT[0, 4] == 0, "mask must include the stop token"
+    np.testing.assert_array_equal(s.lengths_R, [4, 2, 9])
+    np.testing.assert_array_equal(s.stop_reason_R, [StopReason.STOP_TOKEN] * 3)
+    np.testing.assert_array_equal(s.tokens_RT[0, :5], [6, 7, 8, 9, 0])
+    np.testing.assert_array_equal(s.tokens_RT[1, :3], [11, 12, 0])
+    np.testing.assert_array_equal(s.mask_RT.sum(1), s.lengths_R)
+    assert s.mask_RT[0, 3] == 1 and s.mask_RT[0, 4] == 0, "mask must include the stop token"
     assert int(s.step) == 9, "loop must exit once every row stopped"
     assert int(s.cache.calls) == 9, "one prefill call plus one call per decoded step after it"
     # The model was fed the prompt then each generated token (all but the last).
     np.testing.assert_array_equal(s.cache.tokens_BS[2, :12], [7, 7, 0, 1, 2, 3, 4, 5, 6, 7, 8, -1])
-    assert np.all(np.asarray(s.logprobs_NT)[np.asarray(s.mask_NT) == 0] == 0.0)
+    assert np.all(np.asarray(s.logprobs_RT)[np.asarray(s.mask_RT) == 0] == 0.0)
 
 
 def test_max_length_and_per_row_length():
     """No eos: every row runs to its own cap (default T) and reports LENGTH."""
     prompts = np.array([[1], [2], [3]])
     s = run_loop(successor_table(), prompts, t=6, max_lengths=np.array([2, 6, 4]))
-    np.testing.assert_array_equal(s.lengths_N, [2, 6, 4])
-    np.testing.assert_array_equal(s.stop_reason_N, [StopReason.LENGTH] * 3)
-    np.testing.assert_array_equal(s.tokens_NT[0], [2, 3, 0, 0, 0, 0])
+    np.testing.assert_array_equal(s.lengths_R, [2, 6, 4])
+    np.testing.assert_array_equal(s.stop_reason_R, [StopReason.LENGTH] * 3)
+    np.testing.assert_array_equal(s.tokens_RT[0], [2, 3, 0, 0, 0, 0])
     assert int(s.step) == 6
 
 
@@ -124,19 +124,19 @@ def test_repetition_guard():
     Modulo 16 never repeats within T, so that row runs to length."""
     prompts = np.array([[2], [2]])
     looping = run_loop(successor_table(period=3), prompts[:1], t=16, rep_n=4, rep_k=3)
-    assert int(looping.lengths_N[0]) == 9
-    assert int(looping.stop_reason_N[0]) == StopReason.REPETITION
+    assert int(looping.lengths_R[0]) == 9
+    assert int(looping.stop_reason_R[0]) == StopReason.REPETITION
     plain = run_loop(successor_table(), prompts[1:], t=16, rep_n=4, rep_k=3)
-    assert int(plain.stop_reason_N[0]) == StopReason.LENGTH and int(plain.lengths_N[0]) == 16
+    assert int(plain.stop_reason_R[0]) == StopReason.LENGTH and int(plain.lengths_R[0]) == 16
     off = run_loop(successor_table(period=3), prompts[:1], t=16)
-    assert int(off.lengths_N[0]) == 16, "the guard is off by default"
+    assert int(off.lengths_R[0]) == 16, "the guard is off by default"
 
 
 def test_groups_prefill_once_and_rows_grouped():
     """G samples per prompt: rows b*G..b*G+G-1 continue prompt b; the prompt is fed once."""
     prompts = np.array([[1, 2], [5, 6]])
     s = run_loop(successor_table(), prompts, t=3, g=3)
-    np.testing.assert_array_equal(s.tokens_NT[:, 0], [3, 3, 3, 7, 7, 7])
+    np.testing.assert_array_equal(s.tokens_RT[:, 0], [3, 3, 3, 7, 7, 7])
     np.testing.assert_array_equal(s.cache.tokens_BS[4, :4], [5, 6, 7, 8])
     assert int(s.cache.calls) == 3
 
@@ -147,7 +147,7 @@ def test_per_position_temperature_and_logprobs():
     temp_T = jnp.array([0.0, 1.5, 0.0, 0.5, 0.7, 0.0])
     prompts = np.arange(8)[:, None]
     s = run_loop(table, prompts, t=6, temperature=temp_T, rng=3)
-    toks = np.asarray(s.tokens_NT)
+    toks = np.asarray(s.tokens_RT)
     prev = np.concatenate([prompts, toks[:, :-1]], axis=1)
     logits = np.asarray(table)[prev]  # [N, T, V]
     greedy_pos = np.asarray(temp_T) == 0
@@ -155,16 +155,16 @@ def test_per_position_temperature_and_logprobs():
     safe_t = np.where(greedy_pos, 1.0, np.asarray(temp_T))[None, :, None]
     ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits / safe_t), axis=-1))
     ref_tok = np.take_along_axis(ref, toks[..., None], -1)[..., 0]
-    np.testing.assert_allclose(s.logprobs_NT, ref_tok, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(s.logprobs_RT, ref_tok, rtol=1e-5, atol=1e-5)
     assert not np.all(toks[:, 1] == logits[:, 1].argmax(-1)), "T=1.5 should not be greedy"
 
 
 def _first_tokens(logits_V, n, **kw):
-    logits_NV = jnp.broadcast_to(logits_V, (n, logits_V.shape[0]))
+    logits_RV = jnp.broadcast_to(logits_V, (n, logits_V.shape[0]))
     temp = kw.pop("temperature", 1.0)
     tok, lp = select(
         jax.random.key(kw.pop("seed", 0)),
-        logits_NV,
+        logits_RV,
         jnp.full((n,), temp),
         jnp.asarray(kw.pop("top_p", 1.0)),
         jnp.asarray(kw.pop("min_p", 0.0)),
@@ -210,29 +210,29 @@ def test_two_level_categorical_chi_square():
 
 
 def test_top_k1_is_greedy_and_top_p_stays_in_nucleus():
-    logits_NV = jax.random.normal(jax.random.key(2), (64, V)) * 2.0
-    n = logits_NV.shape[0]
+    logits_RV = jax.random.normal(jax.random.key(2), (64, V)) * 2.0
+    n = logits_RV.shape[0]
     tok, lp = select(
         jax.random.key(5),
-        logits_NV,
+        logits_RV,
         jnp.full((n,), 1.3),
         jnp.asarray(1.0),
         jnp.asarray(0.0),
         top_k=1,
     )
-    np.testing.assert_array_equal(tok, np.asarray(logits_NV).argmax(-1))
-    ref = jax.nn.log_softmax(logits_NV / 1.3)[jnp.arange(n), tok]
+    np.testing.assert_array_equal(tok, np.asarray(logits_RV).argmax(-1))
+    ref = jax.nn.log_softmax(logits_RV / 1.3)[jnp.arange(n), tok]
     np.testing.assert_allclose(lp, ref, rtol=1e-6, atol=1e-6)
 
     top_p, temp = 0.6, 1.2
-    probs = np.asarray(jax.nn.softmax(logits_NV / temp))
+    probs = np.asarray(jax.nn.softmax(logits_RV / temp))
     order = np.argsort(-probs, axis=1)
     sorted_p = np.take_along_axis(probs, order, 1)
     seen_outside_top1 = False
     for seed in range(20):
         tok, _ = select(
             jax.random.key(seed),
-            logits_NV,
+            logits_RV,
             jnp.full((n,), temp),
             jnp.asarray(top_p),
             jnp.asarray(0.0),
