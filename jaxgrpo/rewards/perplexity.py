@@ -26,8 +26,9 @@ Details we fixed where the seed study is silent:
   never a safe choice.
 
 The batch runs through one jitted function over the split model state; rows are padded to
-power-of-two buckets (rows and length), and logits are computed in chunks along T so a full
-``[B, T, V]`` float32 array never exists.
+power-of-two buckets (rows and length), and the log-probs come from
+``jaxgrpo.rl.logprobs.head_token_logprobs`` in chunks along T, so a full ``[B, T, V]``
+float32 array never exists.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from flax import nnx
 
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.rewards.embedding import reasoning_text
+from jaxgrpo.rl.logprobs import head_token_logprobs
 from jaxgrpo.types import Array
 
 SEPARATOR = "<reasoning>"
@@ -68,18 +70,8 @@ def sequence_nll_fn(model: nnx.Module, chunk: int = 128) -> Callable:
         b, t = ids_BT.shape
         h_BTD = m.forward(ids_BT, mask_BT)
         targets_BT = jnp.concatenate([ids_BT[:, 1:], jnp.zeros((b, 1), ids_BT.dtype)], axis=1)
-        c = min(chunk, t)
-        # [C, B, c, ...]: scan over length chunks so only [B, c, V] logits are live at once.
-        h_CBcD = h_BTD.reshape(b, t // c, c, -1).transpose(1, 0, 2, 3)
-        tg_CBc = targets_BT.reshape(b, t // c, c).transpose(1, 0, 2)
-
-        def step(_, xs):
-            h_BcD, tg_Bc = xs
-            logp_BcV = jax.nn.log_softmax(m.logits(h_BcD), axis=-1)
-            return None, jnp.take_along_axis(logp_BcV, tg_Bc[..., None], axis=-1)[..., 0]
-
-        _, logp_CBc = jax.lax.scan(step, None, (h_CBcD, tg_CBc))
-        logp_BT = logp_CBc.transpose(1, 0, 2).reshape(b, t)
+        ones_BT = jnp.ones((b, t), jnp.float32)  # temperature 1: the model's own distribution
+        logp_BT, _ = head_token_logprobs(m, h_BTD, targets_BT, ones_BT, chunk)
         w_BT = weight_BT.astype(jnp.float32)
         return -(logp_BT * w_BT).sum(axis=1), w_BT.sum(axis=1)
 
