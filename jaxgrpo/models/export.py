@@ -19,7 +19,11 @@ import struct
 import tempfile
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
+
+from jaxgrpo.models import load_model
+from jaxgrpo.models.weights import hf_tensors, peft_adapter_config, peft_lora_tensors
 
 _ST_NAMES = {
     "float64": "F64",
@@ -128,10 +132,6 @@ def export_hf(
       The absolute path of ``out_dir`` (config.json, generation_config.json, model.safetensors or
       shards + index, tokenizer files).
     """
-    import ml_dtypes
-
-    from jaxgrpo.models.weights import hf_tensors
-
     cfg = model.cfg
     dtype = dtype or cfg.param_dtype
     np_dtype = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
@@ -166,8 +166,6 @@ def export_peft(model, out_dir: str | os.PathLike, base_model_name_or_path: str 
     Returns:
       The absolute path of ``out_dir``.
     """
-    from jaxgrpo.models.weights import peft_adapter_config, peft_lora_tensors
-
     if model.cfg.lora is None:
         raise ValueError("export_peft needs a model with LoRA adapters (ModelConfig.lora is None).")
     tensors = peft_lora_tensors(model)
@@ -183,8 +181,6 @@ def export_peft(model, out_dir: str | os.PathLike, base_model_name_or_path: str 
 def main(argv: list[str] | None = None) -> None:
     """``python -m jaxgrpo.models.export SRC OUT``: convert any loadable source (e.g. a GGUF) to
     a Hugging Face directory."""
-    from jaxgrpo.models import load_model
-
     parser = argparse.ArgumentParser(description=main.__doc__)
     parser.add_argument("src", help="Hugging Face directory, hub id or .gguf file")
     parser.add_argument("out", help="output directory")

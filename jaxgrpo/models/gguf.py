@@ -9,7 +9,7 @@ package has one import path (``weights.load_hf_tensors``) and one tokenizer type
     ckpt = GGUFCheckpoint(path)
     cfg = ModelConfig.from_hf_config(ckpt.hf_config())
     load_hf_tensors(model, ckpt.get_tensor)   # HF names, torch [out, in] layout, float32
-    hf_tok = ckpt.hf_tokenizer()              # transformers.PreTrainedTokenizerFast
+    tok = Tokenizer.from_gguf(ckpt)           # in jaxgrpo.models.tokenizer
 
 The tensors stay memory-mapped: ``get_tensor`` dequantizes one tensor when asked, so a large model
 is never materialised twice on the host.
@@ -149,6 +149,7 @@ def dequantize(data: np.ndarray, qtype) -> np.ndarray:
     bytes of nibbles, low nibbles first (x = d (q - 8)); Q4_1 = f16 d, f16 m + nibbles
     (x = d q + m).
     """
+    # the `gguf` package: optional, needed only for GGUF files
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize as gguf_dequantize
 
@@ -292,7 +293,7 @@ class GGUFCheckpoint:
 
     def _raw(self, gguf_name: str) -> np.ndarray:
         """One tensor as float32 with numpy dims (outermost first); memory-mapped until used."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # optional, as above
 
         dims, qtype, offset = self._tensors[gguf_name]
         qtype = GGMLQuantizationType(qtype)
@@ -371,12 +372,6 @@ class GGUFCheckpoint:
             f"Unsupported RoPE scaling {kind!r} in {self.path}; "
             "supported: none, llama3 (rope_freqs tensor)."
         )
-
-    def hf_tokenizer(self):
-        """The file's tokenizer as a ``transformers.PreTrainedTokenizerFast``."""
-        from jaxgrpo.models.tokenizer import hf_tokenizer_from_gguf_metadata
-
-        return hf_tokenizer_from_gguf_metadata(self.meta)
 
 
 def gguf_tensor_getter(path: str) -> Callable[[str], np.ndarray]:

@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxgrpo.models.gguf import GGUFCheckpoint
+
 # Tokens that end an assistant turn in the chat formats we support; each one present in the
 # vocabulary is a stop token in addition to the tokenizer's own eos.
 CHAT_END_TOKENS = (
@@ -69,7 +71,7 @@ def _byte_alphabet() -> set[str]:
 
 
 def _pre_tokenizer(pre: str):
-    from tokenizers import Regex, pre_tokenizers
+    from tokenizers import Regex, pre_tokenizers  # heavy (Rust bindings); GGUF files only
 
     if pre not in _PRE_SPLITS:
         raise ValueError(
@@ -93,6 +95,7 @@ def hf_tokenizer_from_gguf_metadata(meta: Callable):
     Returns:
       A ``transformers.PreTrainedTokenizerFast`` with the file's special tokens and chat template.
     """
+    # tokenizers and transformers are heavy to import; only GGUF files need them here
     from tokenizers import AddedToken, decoders, models, normalizers, processors
     from tokenizers import Tokenizer as RawTokenizer
     from transformers import PreTrainedTokenizerFast
@@ -190,7 +193,7 @@ class Tokenizer:
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, **kwargs) -> Tokenizer:
         """Load from a Hugging Face directory; adds ``generation_config.json`` eos ids."""
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer  # heavy to import: only when loading one
 
         path = os.fspath(path)
         extra = list(kwargs.pop("extra_eos_ids", ()))
@@ -204,10 +207,8 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, source, **kwargs) -> Tokenizer:
         """Rebuild from a GGUF file (a path or a ``GGUFCheckpoint``)."""
-        from jaxgrpo.models.gguf import GGUFCheckpoint
-
         ckpt = source if isinstance(source, GGUFCheckpoint) else GGUFCheckpoint(source)
-        return cls(ckpt.hf_tokenizer(), **kwargs)
+        return cls(hf_tokenizer_from_gguf_metadata(ckpt.meta), **kwargs)
 
     def __len__(self) -> int:
         return len(self.hf)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxgrpo.models import lora as lora_lib
+import jaxgrpo.models.lora as lora_lib
 from jaxgrpo.models.config import ModelConfig
 
 _LAYER = "model.layers.{i}."
