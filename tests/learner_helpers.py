@@ -1,7 +1,9 @@
-"""Helpers of tests/test_distributed.py, also run as a worker process.
+"""Helpers shared by the tests that train the tiny model, also run as a worker process.
 
 As a module: `text_reward` (a reward that varies with the sampled text, also used by config
-files through its dotted path `learner_helpers.text_reward`), `build` and `run_steps`.
+files through its dotted path `learner_helpers.text_reward`), `make_learner`, `run_steps`,
+`host_params` and `count_compiles`. Tests import it as `learner_helpers` (conftest.py's
+directory is on `sys.path`), never as `tests.learner_helpers`, so there is one module.
 
 As a script: one of N `jax.distributed` processes (gloo CPU collectives) training the tiny
 model for a few steps; process 0 writes the final parameters and per-step metrics:
@@ -13,12 +15,21 @@ model for a few steps; process 0 writes the final parameters and per-step metric
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 
+import jax
 import numpy as np
 
-STEPS_EXAMPLES = 2  # prompts per step (tiny.py's rl.prompts_per_step)
+from jaxgrpo import sharding
+from jaxgrpo.config import load_config
+from jaxgrpo.data import get_task
+from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.rewards import RewardSet
+from jaxgrpo.rl.learner import Learner
+from jaxgrpo.rl.tiny import tiny_model
+from jaxgrpo.sharding import to_host
 
 
 def text_reward(prompts, completions, **_):
@@ -26,38 +37,50 @@ def text_reward(prompts, completions, **_):
     return [float(sum(map(ord, c)) % 7) / 7.0 for c in completions]
 
 
-def build(mesh_shape: dict, devices=None):
-    """(learner, task) for tiny.py with beta > 0 and `text_reward`, on a mesh of `devices`."""
-    from jaxgrpo import sharding
-    from jaxgrpo.config import load_config
-    from jaxgrpo.data import get_task
-    from jaxgrpo.models.config import LoRAConfig
-    from jaxgrpo.rewards import RewardSet
-    from jaxgrpo.rl.learner import Learner
-    from jaxgrpo.rl.tiny import tiny_model
-
-    cfg = load_config("tiny.py", {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1})
+def make_learner(mesh_shape: dict, devices=None, reward=text_reward, **overrides):
+    """(learner, format_copy task) for tiny.py with beta 0.04 and `reward`, on a mesh of
+    `devices`; `overrides` are config keys (`"rl.grad_accum": 2`). LoRA adapters as the config
+    says, none with `model.lora_rank=0` (as `jaxgrpo.train` builds the model)."""
+    base = {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1}
+    cfg = load_config("tiny.py", {**base, **overrides})
     mesh = sharding.make_mesh(mesh_shape, devices=devices)
-    lora = LoRAConfig(rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)
+    rank = cfg.model.lora_rank
+    lora = LoRAConfig(rank=rank, alpha=cfg.model.lora_alpha) if rank else None
     model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh)
     task = get_task("format_copy")
-    return Learner(cfg, model, tokenizer, task, RewardSet([(text_reward, 1.0)]), mesh), task
+    return Learner(cfg, model, tokenizer, task, RewardSet([(reward, 1.0)]), mesh), task
 
 
-def run_steps(learner, task, steps: int):
-    """Trains `steps` steps from a fresh state; returns (host params list, metrics list)."""
-    import jax
-
-    from jaxgrpo.sharding import to_host
-
-    examples = list(task.train_examples(0))
-    state = learner.init_state()
-    history = []
+def run_steps(learner, examples, steps: int):
+    """Trains `steps` steps from a fresh state on consecutive `prompts_per_step` slices of
+    `examples`; returns (final state, per-step metrics)."""
+    state, history = learner.init_state(), []
+    b = learner.rl.prompts_per_step
     for i in range(steps):
-        batch = examples[i * STEPS_EXAMPLES : (i + 1) * STEPS_EXAMPLES]
-        state, metrics, _ = learner.step(state, batch)
+        state, metrics, _ = learner.step(state, examples[i * b : (i + 1) * b])
         history.append(metrics)
-    return [to_host(x) for x in jax.tree.leaves(state.params)], history
+    return state, history
+
+
+def host_params(state) -> list[np.ndarray]:
+    """The trainable parameters of `state` as host arrays, in leaf order."""
+    return [to_host(x) for x in jax.tree.leaves(state.params)]
+
+
+@contextlib.contextmanager
+def count_compiles():
+    """Counts XLA backend compilations inside the block."""
+    events = []
+
+    def listener(event, duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        yield events
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 def _main() -> None:
@@ -69,13 +92,12 @@ def _main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    import jax
-
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(args.coordinator, args.num_processes, args.process_id)
     assert jax.process_count() == args.num_processes
-    learner, task = build({"data": 2, "fsdp": 1, "tensor": -1})
-    params, history = run_steps(learner, task, args.steps)
+    learner, task = make_learner({"data": 2, "fsdp": 1, "tensor": -1})
+    state, history = run_steps(learner, list(task.train_examples(0)), args.steps)
+    params = host_params(state)
     if jax.process_index() == 0:
         np.savez(args.out, *params)
         with open(args.out + ".json", "w", encoding="utf-8") as f:
@@ -84,5 +106,6 @@ def _main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if not os.environ.get("JAX_PLATFORMS"):  # jax read the variable when imported above
+        jax.config.update("jax_platforms", "cpu")
     _main()

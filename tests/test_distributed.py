@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -17,6 +18,11 @@ import jax
 import learner_helpers
 import numpy as np
 import pytest
+from tensorboardX.proto import event_pb2
+
+from jaxgrpo.checkpoint import Checkpointer
+from jaxgrpo.config import load_config
+from jaxgrpo.train import build_parts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")
@@ -68,8 +74,9 @@ def test_two_processes_agree_with_single_process(tmp_path):
         )
         for i in range(2)
     ]
-    learner, task = learner_helpers.build({"data": 1}, devices=jax.devices()[:1])
-    want_params, want_metrics = learner_helpers.run_steps(learner, task, 2)
+    learner, task = learner_helpers.make_learner({"data": 1}, devices=jax.devices()[:1])
+    state, want_metrics = learner_helpers.run_steps(learner, list(task.train_examples(0)), 2)
+    want_params = learner_helpers.host_params(state)
     for p in procs:
         log, _ = p.communicate(timeout=TIMEOUT_S)
         assert p.returncode == 0, log[-4000:]
@@ -209,10 +216,6 @@ def _wait(proc, log_path, timeout=TIMEOUT_S) -> str:
 
 def _tb_scalars(run_dir) -> dict[str, list[tuple[str, int]]]:
     """{events file name: [(tag, step) of every scalar in it]}, read as TFRecords."""
-    import struct
-
-    from tensorboardX.proto import event_pb2
-
     out = {}
     tb_dir = os.path.join(run_dir, "tensorboard")
     for name in sorted(os.listdir(tb_dir)):
@@ -318,10 +321,6 @@ def test_two_process_cli_killed_and_resumed_equals_one_process(tmp_path):
 
 def _assert_same_step_4(config, tmp_path, want_dir, got_dir) -> None:
     """Both runs' step-4 checkpoints hold bitwise equal parameters and the same data cursor."""
-    from jaxgrpo.checkpoint import Checkpointer
-    from jaxgrpo.config import load_config
-    from jaxgrpo.train import build_parts
-
     cfg = load_config(str(config), {"run_dir": str(tmp_path / "unused")})
     target = build_parts(cfg)["learner"].init_state()
 

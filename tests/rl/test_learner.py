@@ -5,57 +5,20 @@ reward that depends on the sampled text (a random model never earns format_copy 
 constant reward would give zero advantages and a trivially equal update).
 """
 
-import contextlib
+import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from learner_helpers import count_compiles, host_params, make_learner, text_reward
 
-from jaxgrpo import sharding
-from jaxgrpo.config import load_config
 from jaxgrpo.data import get_task
-from jaxgrpo.models.config import LoRAConfig
-from jaxgrpo.rewards import RewardSet
-from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.tiny import tiny_model
+from jaxgrpo.models.lora import zero_lora
+from jaxgrpo.rl import rollout as ro
 from jaxgrpo.sharding import to_host
 
 PARAM_ATOL = 1e-5  # float32; 8 devices reduce the same sums in a different order
-
-
-def text_reward(prompts, completions, **_):
-    """Varies with the sampled text, so every group has reward variance."""
-    return [float(sum(map(ord, c)) % 7) / 7.0 for c in completions]
-
-
-def make_learner(mesh_shape, devices, reward=text_reward, **overrides):
-    base = {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1}
-    cfg = load_config("tiny.py", {**base, **overrides})
-    mesh = sharding.make_mesh(mesh_shape, devices=devices)
-    lora = LoRAConfig(rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)
-    model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh)
-    task = get_task("format_copy")
-    return Learner(cfg, model, tokenizer, task, RewardSet([(reward, 1.0)]), mesh), task
-
-
-def host_params(state):
-    return [to_host(x) for x in jax.tree.leaves(state.params)]
-
-
-@contextlib.contextmanager
-def count_compiles():
-    """Counts XLA backend compilations inside the block."""
-    events = []
-
-    def listener(event, duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            events.append(duration)
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        yield events
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
 
 
 @pytest.fixture(scope="module")
@@ -147,11 +110,9 @@ def test_evaluate_reports_accuracy(one_device_run):
 
 def _rollout(rewards_BG, prompt_len):
     """A host-side rollout with given rewards (no model involved)."""
-    from jaxgrpo.rl.rollout import Rollout
-
     b, g = rewards_BG.shape
     n, t = b * g, 3
-    return Rollout(
+    return ro.Rollout(
         examples=[{"messages": [], "answer": str(i)} for i in range(b)],
         prompt_ids=np.arange(b * prompt_len, dtype=np.int32).reshape(b, prompt_len) + 1,
         prompt_mask=np.ones((b, prompt_len), np.int32),
@@ -171,12 +132,10 @@ def _rollout(rewards_BG, prompt_len):
 
 
 def test_rollout_group_selection_and_concat_keep_groups_aligned():
-    from jaxgrpo.rl.rollout import concat
-
     first = _rollout(np.array([[1.0, 1.0], [0.0, 1.0]]), prompt_len=4)
     second = _rollout(np.array([[0.5, 0.5], [2.0, 0.0]]), prompt_len=8)
     np.testing.assert_array_equal(first.zero_variance_groups(), [True, False])
-    merged = concat([first, second], pad_id=0)
+    merged = ro.concat([first, second], pad_id=0)
     assert merged.prompt_ids.shape == (4, 8)
     # The shorter prompts are left-padded, their tokens unchanged at the right.
     np.testing.assert_array_equal(merged.prompt_ids[0, 4:], first.prompt_ids[0])
@@ -197,8 +156,6 @@ def parity_reward(prompts, completions, answer, **_):
 def test_off_policy_options_step():
     """ppo_epochs x minibatches with old log-probs, KL in reward, TIS, reference reset and
     dynamic sampling with refills all run, and report what they did."""
-    from jaxgrpo.models.lora import zero_lora
-
     learner, task = make_learner(
         {"data": 1},
         jax.devices()[:1],
@@ -246,11 +203,6 @@ def test_trimmed_and_packed_scoring_change_nothing(monkeypatch):
     bucket; with packing each group's completions share one row. The parameters after one
     update equal those of the untrimmed, unpacked batch (dr_grpo still divides by
     max_new_tokens, not by the trimmed width)."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from jaxgrpo.rl import rollout as ro
 
     t_max = 16
     learner, _ = make_learner(
@@ -300,9 +252,6 @@ def test_sharing_the_prompts_common_prefix_changes_nothing():
     """With prompts that begin alike (a system prompt), the scoring passes run those tokens
     once for the batch; the reference log-probs and the parameters after one update equal
     those of scoring every prompt whole."""
-    import dataclasses
-
-    import jax.numpy as jnp
 
     learner, _ = make_learner({"data": 1}, jax.devices()[:1])
     b, g = learner.rl.prompts_per_step, learner.rl.group_size
@@ -335,8 +284,6 @@ def test_sharing_the_prompts_common_prefix_changes_nothing():
 
 
 def test_prompt_trimming_keeps_every_prompt_token():
-    from jaxgrpo.rl import rollout as ro
-
     ids = np.zeros((2, 128), np.int32)
     mask = np.zeros((2, 128), np.int32)
     mask[0, -87:], mask[1, -40:] = 1, 1
@@ -354,8 +301,6 @@ def test_batch_widths_only_grow_so_programs_compile_a_bounded_number_of_times():
     """Long prompts, short prompts, then both again: once the run's widths have settled (the
     prompt and suffix widths at their largest, the shared prefix at its shortest), no step
     compiles a new program, although each step's own widths differ."""
-    from jaxgrpo.rl import rollout as ro
-
     buckets = ro.ShapeBuckets()
     ids = np.full((2, 128), 7, np.int32)
     mask = np.zeros((2, 128), np.int32)
@@ -379,24 +324,13 @@ def test_batch_widths_only_grow_so_programs_compile_a_bounded_number_of_times():
     assert len(compiles) == 0, f"{len(compiles)} programs compiled after the widths settled"
 
 
-def make_full_learner(mesh_shape, devices, **overrides):
-    """`make_learner` for full fine-tuning: `model.lora_rank=0`, so the model has no adapters
-    (`tiny_model(None)`, as `jaxgrpo.train.build_model` does) and every weight trains."""
-    cfg = load_config("tiny.py", {"run_dir": "/tmp/unused", "mesh.data": 1, **overrides})
-    assert cfg.model.lora_rank == 0
-    mesh = sharding.make_mesh(mesh_shape, devices=devices)
-    model, tokenizer = tiny_model(None, seed=cfg.seed, mesh=mesh)
-    task = get_task("format_copy")
-    return Learner(cfg, model, tokenizer, task, RewardSet([(text_reward, 1.0)]), mesh), task
-
-
 @pytest.mark.slow  # 60 s alone, 110 s on a busy 2-core CPU: two learners compile
 def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
     """`model.lora_rank=0` through `Learner.step`: every parameter is trainable and moves, the
     KL reference (rl.beta > 0) is a frozen copy of the initial weights, not the trained ones,
     and one step on 8 devices (data=2, fsdp=2, tensor=2) equals the step on one device."""
     full = {"model.lora_rank": 0, "rl.beta": 0.04}
-    learner, task = make_full_learner({"data": 1}, jax.devices()[:1], **full)
+    learner, task = make_learner({"data": 1}, jax.devices()[:1], **full)
     assert not learner.lora and learner.needs_ref
     assert learner.n_trainable == learner.n_params, "full fine-tuning trains every weight"
     examples = list(task.train_examples(0))[:2]
@@ -415,7 +349,7 @@ def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
 
     devices = jax.devices()
     assert len(devices) == 8, "conftest sets 8 virtual CPU devices"
-    learner8, _ = make_full_learner({"data": 2, "fsdp": 2, "tensor": 2}, devices, **full)
+    learner8, _ = make_learner({"data": 2, "fsdp": 2, "tensor": 2}, devices, **full)
     state8 = learner8.init_state()
     state8, metrics8, _ = learner8.step(state8, examples)
     # Adam's first step moves a weight by lr * g / (|g| + 1e-8): the embedding rows of tokens

@@ -13,10 +13,10 @@ import textwrap
 import jax
 import numpy as np
 import pytest
+from learner_helpers import make_learner, run_steps, text_reward
 
 from jaxgrpo.logging import ProgressBar
 from jaxgrpo.rewards import RewardError, RewardSet, get_reward
-from tests.rl.test_learner import make_learner, text_reward
 
 CALLS: list[dict] = []
 
@@ -54,15 +54,6 @@ def learner_with(tiny, specs, **rewards_cfg):
     return learner, examples
 
 
-def run_steps(learner, examples, steps):
-    state, history = learner.init_state(), []
-    b = learner.rl.prompts_per_step
-    for i in range(steps):
-        state, metrics, _ = learner.step(state, examples[i * b : (i + 1) * b])
-        history.append(metrics)
-    return history
-
-
 def test_length_penalty_scores_in_training(tiny):
     # Soft zone 2..32 tokens: r = (2 - L) / 30 for L in (2, 32], so sampled lengths give
     # distinct non-zero values (a row stops at its first repeated token, rarely within 2).
@@ -82,7 +73,7 @@ def test_length_penalty_scores_in_training(tiny):
 def test_trl_conversational_reward_gets_messages_ids_and_step(tiny):
     CALLS.clear()
     learner, examples = learner_with(tiny, [(trl_conversational, 1.0)], conversational=True)
-    history = run_steps(learner, examples, 2)
+    _, history = run_steps(learner, examples, 2)
     assert [c["step"] for c in CALLS] == [0, 1]
     first = CALLS[0]
     assert first["prompts"][0] == examples[0]["messages"], "prompts are the chat messages"
@@ -112,7 +103,7 @@ def test_reward_failing_some_samples_keeps_training(tiny):
     learner, examples = learner_with(
         tiny, [(every_other, 1.0), (text_reward, 1.0)], max_failed_steps=1
     )
-    history = run_steps(learner, examples, 3)
+    _, history = run_steps(learner, examples, 3)
     assert [m["reward/every_other/failed_frac"] for m in history] == [0.5] * 3
 
 

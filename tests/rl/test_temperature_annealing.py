@@ -2,7 +2,7 @@
 token, and the trainer scores each token at the temperature it was sampled at.
 
 The tiny random model, the tiny config and a reward that varies with the sampled text (so every
-group has non-zero advantages): see tests/rl/test_learner.py.
+group has non-zero advantages): see tests/learner_helpers.py.
 """
 
 import jax
@@ -11,29 +11,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from learner_helpers import make_learner
 
-from jaxgrpo import sharding
-from jaxgrpo.config import load_config
-from jaxgrpo.data import get_task
-from jaxgrpo.models.config import LoRAConfig
-from jaxgrpo.rewards import RewardSet
-from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.tiny import tiny_model
 from jaxgrpo.sharding import to_host
 
 LEVELS = (1.5, 1.0, 0.6)  # the step schedule: piecewise over steps 0 | 1 | 2
 POSITION_END = 0.5  # the position multiplier falls linearly from 1 to this over T positions
 
 
-def text_reward(prompts, completions, **_):
-    return [float(sum(map(ord, c)) % 7) / 7.0 for c in completions]
-
-
 @pytest.fixture(scope="module")
 def annealed_run():
     overrides = {
-        "run_dir": "/tmp/unused",
-        "mesh.data": 1,
         "steps": 3,
         "rl.beta": 0.0,
         "optim.max_grad_norm": 0.0,
@@ -44,12 +32,7 @@ def annealed_run():
         "sampling.position_schedule.kind": "linear",
         "sampling.position_schedule.end": POSITION_END,
     }
-    cfg = load_config("tiny.py", overrides)
-    mesh = sharding.make_mesh({"data": 1}, devices=jax.devices()[:1])
-    lora = LoRAConfig(rank=cfg.model.lora_rank, alpha=cfg.model.lora_alpha)
-    model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh)
-    task = get_task("format_copy")
-    learner = Learner(cfg, model, tokenizer, task, RewardSet([(text_reward, 1.0)]), mesh)
+    learner, task = make_learner({"data": 1}, jax.devices()[:1], **overrides)
     rollouts, params = [], []
     prepare = learner._prepare
 
@@ -74,8 +57,8 @@ def test_every_token_is_sampled_at_its_scheduled_temperature(annealed_run):
     for step, (rollout, (metrics, _)) in enumerate(
         zip(annealed_run["rollouts"], annealed_run["history"], strict=True)
     ):
-        expected_NT = np.broadcast_to(LEVELS[step] * multiplier_T, rollout.temps.shape)
-        np.testing.assert_allclose(rollout.temps, expected_NT, rtol=1e-6, err_msg=f"step {step}")
+        expected_RT = np.broadcast_to(LEVELS[step] * multiplier_T, rollout.temps.shape)
+        np.testing.assert_allclose(rollout.temps, expected_RT, rtol=1e-6, err_msg=f"step {step}")
         assert metrics["temperature"] == pytest.approx(LEVELS[step])
         # The trainer's log-probs at each token's own temperature equal the sampler's.
         assert metrics["sampler_logp_gap"] < 1e-4, (step, metrics["sampler_logp_gap"])
@@ -91,24 +74,24 @@ def test_update_gradient_equals_the_one_from_log_softmax_of_logits_over_token_te
     step = 2  # temperatures 0.6 x (1 -> 0.5): far from 1
     rollout, params = annealed_run["rollouts"][step], annealed_run["params"][step]
     metrics, samples = annealed_run["history"][step]
-    adv_N = np.asarray([s["advantage"] for s in samples], np.float32)
-    assert np.abs(adv_N).max() > 0, "the test reward must give non-zero advantages"
+    adv_R = np.asarray([s["advantage"] for s in samples], np.float32)
+    assert np.abs(adv_R).max() > 0, "the test reward must give non-zero advantages"
     g = learner.rl.group_size
     p = rollout.prompt_ids.shape[1]
-    ids_NS = np.concatenate([np.repeat(rollout.prompt_ids, g, 0), rollout.tokens], axis=1)
-    mask_NS = np.concatenate([np.repeat(rollout.prompt_mask, g, 0), rollout.mask], axis=1)
-    mask_NT = rollout.mask.astype(np.float32)
-    n_N = np.maximum(mask_NT.sum(1), 1.0)
+    ids_RS = np.concatenate([np.repeat(rollout.prompt_ids, g, 0), rollout.tokens], axis=1)
+    mask_RS = np.concatenate([np.repeat(rollout.prompt_mask, g, 0), rollout.mask], axis=1)
+    mask_RT = rollout.mask.astype(np.float32)
+    n_R = np.maximum(mask_RT.sum(1), 1.0)
 
     def loss(trainable):
         model = nnx.merge(learner.graphdef, trainable, learner.frozen)
-        logits_NSV = model(jnp.asarray(ids_NS), jnp.asarray(mask_NS)).astype(jnp.float32)
-        logits_NTV = logits_NSV[:, p - 1 : -1] / jnp.asarray(rollout.temps)[..., None]
-        logp_NTV = jax.nn.log_softmax(logits_NTV, axis=-1)
-        logp_NT = jnp.take_along_axis(logp_NTV, jnp.asarray(rollout.tokens)[..., None], -1)[..., 0]
-        ratio_NT = jnp.exp(logp_NT - jax.lax.stop_gradient(logp_NT))
-        per_seq_N = jnp.sum(ratio_NT * mask_NT, axis=1) / n_N
-        return -jnp.mean(jnp.asarray(adv_N) * per_seq_N)
+        logits_RSV = model(jnp.asarray(ids_RS), jnp.asarray(mask_RS)).astype(jnp.float32)
+        logits_RTV = logits_RSV[:, p - 1 : -1] / jnp.asarray(rollout.temps)[..., None]
+        logp_RTV = jax.nn.log_softmax(logits_RTV, axis=-1)
+        logp_RT = jnp.take_along_axis(logp_RTV, jnp.asarray(rollout.tokens)[..., None], -1)[..., 0]
+        ratio_RT = jnp.exp(logp_RT - jax.lax.stop_gradient(logp_RT))
+        per_seq_R = jnp.sum(ratio_RT * mask_RT, axis=1) / n_R
+        return -jnp.mean(jnp.asarray(adv_R) * per_seq_R)
 
     grads = jax.grad(loss)(params)
     norm = float(optax.global_norm(jax.tree.map(to_host, grads)))
