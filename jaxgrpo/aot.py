@@ -313,6 +313,23 @@ _SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
 _CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
 _WHILE = re.compile(r"body=%?([\w.\-]+)")
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_COND = re.compile(r"condition=%?([\w.\-]+)")
+_CONSTANT = re.compile(r"= s32\[\]\S* constant\((\d+)\)")
+
+
+def _counted_trips(comps: dict, while_line: str) -> int | None:
+    """A loop's trip count: XLA's ``known_trip_count``, else the bound of a condition that is
+    one ``counter < constant`` (a ``lax.scan``, whose count XLA:TPU does not annotate)."""
+    trips = _TRIPS.search(while_line)
+    if trips:
+        return int(trips.group(1))
+    cond = _COND.search(while_line)
+    lines = [line for _, _, line in comps.get(cond.group(1), [])] if cond else []
+    bounds = [int(m.group(1)) for m in map(_CONSTANT.search, lines) if m]
+    compares = [line for line in lines if " compare(" in line]
+    if len(bounds) == 1 and len(compares) == 1 and "direction=LT" in compares[0]:
+        return bounds[0]
+    return None
 
 
 def _bytes_of(type_text: str) -> int:
@@ -383,10 +400,10 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
                     add(into_body, kind, size, body_times)
             if op == "while":
                 body = _WHILE.search(line).group(1)
-                trips = _TRIPS.search(line)
-                # Only a top-level loop is the sampler's decode loop; a nested loop XLA
-                # cannot count (a sort, a search) is counted once per enclosing iteration.
-                n = int(trips.group(1)) if trips else unknown_trips if name == entry else 1
+                trips = _counted_trips(comps, line)
+                # Only a top-level loop is the sampler's decode loop; a nested loop that
+                # cannot be counted (a sort, a search) counts once per enclosing iteration.
+                n = trips if trips is not None else unknown_trips if name == entry else 1
                 first, first_times = into_body, body_times * n
                 if into_body is None and loops == 0 and name == entry:
                     first, first_times = body_first, 1  # one decode step: its layer scan x L
@@ -400,6 +417,7 @@ def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
 
     # The compaction levels' loops share the decode's T steps between them.
     top = [line for op, _, line in comps.get(entry, []) if op == "while"]
-    unknown_trips = max(1, unknown_trips // max(1, sum(not _TRIPS.search(x) for x in top)))
+    uncounted = sum(_counted_trips(comps, x) is None for x in top)
+    unknown_trips = max(1, unknown_trips // max(1, uncounted))
     walk(entry, 1, None, 1, frozenset())
     return {"program": total, "loop_body": body_first, "loops": loops}

@@ -245,6 +245,27 @@ ENTRY %main (a: f32[8]) -> f32[8] {
     assert out["loops"] == 1
 
 
+def test_a_scan_without_a_known_trip_count_is_counted_from_its_condition():
+    """XLA:TPU leaves a lax.scan's while loop unannotated; its bound is the condition's
+    ``counter < constant``."""
+    hlo = """HloModule m
+
+%cond (p: (s32[], f32[8])) -> pred[] {
+  %c = s32[]{:T(128)} constant(7)
+  %i = s32[] get-tuple-element(%p), index=0
+  ROOT %lt = pred[] compare(%i, %c), direction=LT
+}
+
+ENTRY %main (a: f32[8]) -> f32[8] {
+  %w = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body
+  ROOT %r = f32[8]{0} copy(%a)
+}
+"""
+    comps, entry = aot._parse(hlo)
+    line = next(x for op, _, x in comps[entry] if op == "while")
+    assert aot._counted_trips(comps, line) == 7
+
+
 def test_every_table_slice_is_a_topology():
     for name in compile_cli.TABLE_SLICES + ("v5e-1", "v4-8", "v5p-8", "v6e-256"):
         p = presets.get_preset(name)
