@@ -427,14 +427,14 @@ class Learner:
     def _optimize(self, state: TrainState, batch: ro.RolloutBatch, key) -> tuple[TrainState, dict]:
         """ppo_epochs x shuffled minibatches of whole groups, each A micro-batches of M groups."""
         b = self.rl.prompts_per_step
-        a, m = self.rl.grad_accum, b // (self.rl.num_minibatches * self.rl.grad_accum)
+        u, m = self.rl.grad_accum, b // (self.rl.num_minibatches * self.rl.grad_accum)
         rng = np.random.default_rng(sharding.to_host(key).astype(np.uint64).tolist())
         history: list[dict] = []
         for _ in range(self.rl.ppo_epochs):
             perm = rng.permutation(b).astype(np.int32)
-            for idx_AM in perm.reshape(self.rl.num_minibatches, a, m):
+            for idx_UM in perm.reshape(self.rl.num_minibatches, u, m):
                 state, metrics = self._update(
-                    state, self.frozen, batch, self._replicate(idx_AM, np.int32)
+                    state, self.frozen, batch, self._replicate(idx_UM, np.int32)
                 )
                 history.append(metrics)
         return state, step_metrics.reduce_updates(history)

@@ -82,7 +82,7 @@ def _masked_mean(x_RT: Array, mask_RT: Array) -> Array:
 def make_loss_fn(
     graphdef: nnx.GraphDef, spec: ObjectiveSpec
 ) -> Callable[[PyTree, PyTree, RolloutBatch, Array, Array], tuple[Array, dict[str, Array]]]:
-    """Builds `loss_fn(params, frozen, batch, idx_M, idx_AM) -> (loss, metrics)`.
+    """Builds `loss_fn(params, frozen, batch, idx_M, idx_UM) -> (loss, metrics)`.
 
     Args:
         graphdef: graph definition from `nnx.split(model, trainable, frozen)`.
@@ -90,11 +90,12 @@ def make_loss_fn(
 
     Returns:
         The micro-batch loss over groups `idx_M` [M], normalised by the whole minibatch
-        `idx_AM` [A, M]; differentiable in `params`.
+        `idx_UM` [U, M] (U micro-batches of M groups each, U = grad_accum); differentiable in
+        `params`.
     """
     g = spec.group_size
 
-    def loss_fn(params, frozen, batch: RolloutBatch, idx_M, idx_AM):
+    def loss_fn(params, frozen, batch: RolloutBatch, idx_M, idx_UM):
         rows = group_rows(idx_M, g)
 
         def take(x, index):
@@ -121,7 +122,7 @@ def make_loss_fn(
         is_weights = None
         if spec.tis_cap > 0:
             is_weights = truncated_is_weights(behaviour, sampler_logp, spec.tis_cap)
-        norms = loss_normalizers(take(batch.mask, group_rows(idx_AM.reshape(-1), g)))
+        norms = loss_normalizers(take(batch.mask, group_rows(idx_UM.reshape(-1), g)))
         loss, metrics = policy_loss(
             logp,
             old_logp,

@@ -193,9 +193,9 @@ def make_update_fn(
 ) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
     """Builds the jitted update: accumulate grads over micro-batches, clip, AdamW, guard.
 
-    `loss_fn(params, frozen, batch, idx_M, idx_AM)` returns `(loss, metrics)` for the
+    `loss_fn(params, frozen, batch, idx_M, idx_UM)` returns `(loss, metrics)` for the
     micro-batch of groups `idx_M` drawn from the whole rollout `batch`. It must normalise by the
-    whole minibatch `idx_AM` (the losses' global normaliser), so the sum of micro-batch losses
+    whole minibatch `idx_UM` (the losses' global normaliser), so the sum of micro-batch losses
     and gradients equals the full minibatch's and accumulation is exact.
 
     Args:
@@ -204,34 +204,35 @@ def make_update_fn(
         state_sh: shardings of the `TrainState`.
         frozen_sh: shardings of the frozen parameters.
         batch_sh: shardings of the rollout batch.
-        idx_sh: sharding of the [A, M] group-index array (replicated; metrics use it too).
+        idx_sh: sharding of the [U, M] group-index array (replicated; metrics use it too).
 
     Returns:
-        `update(state, frozen, batch, idx_AM) -> (state, metrics)`, jitted with `state`
-        donated. idx_AM holds, for each of the A micro-batches, the M groups it trains on.
+        `update(state, frozen, batch, idx_UM) -> (state, metrics)`, jitted with `state`
+        donated. idx_UM holds, for each of the U micro-batches (U = grad_accum), the M
+        groups it trains on.
         Metrics are averaged over micro-batches, plus `loss` (summed), `grad_norm`,
         and `update_skipped` (0/1).
     """
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-    def micro_step(params, frozen, batch, idx_AM, carry, idx_M):
+    def micro_step(params, frozen, batch, idx_UM, carry, idx_M):
         grads_acc, loss_acc = carry
-        (loss, metrics), grads = grad_fn(params, frozen, batch, idx_M, idx_AM)
+        (loss, metrics), grads = grad_fn(params, frozen, batch, idx_M, idx_UM)
         grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, loss_acc + loss), metrics
 
-    def gradients(params, frozen, batch, idx_AM):
-        if idx_AM.shape[0] == 1:  # one micro-batch: no accumulator to zero-fill and add into
-            (loss, metrics), grads = grad_fn(params, frozen, batch, idx_AM[0], idx_AM)
+    def gradients(params, frozen, batch, idx_UM):
+        if idx_UM.shape[0] == 1:  # one micro-batch: no accumulator to zero-fill and add into
+            (loss, metrics), grads = grad_fn(params, frozen, batch, idx_UM[0], idx_UM)
             return grads, loss, metrics
         init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32))
         (grads, loss), metrics = jax.lax.scan(
-            lambda c, i: micro_step(params, frozen, batch, idx_AM, c, i), init, idx_AM
+            lambda c, i: micro_step(params, frozen, batch, idx_UM, c, i), init, idx_UM
         )
         return grads, loss, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
 
-    def update(state: TrainState, frozen: PyTree, batch: PyTree, idx_AM: Array):
-        grads, loss, metrics = gradients(state.params, frozen, batch, idx_AM)
+    def update(state: TrainState, frozen: PyTree, batch: PyTree, idx_UM: Array):
+        grads, loss, metrics = gradients(state.params, frozen, batch, idx_UM)
         grad_norm = global_norm(grads)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
