@@ -27,11 +27,11 @@ from flax import nnx
 
 from jaxgrpo import flops, memory, presets, sharding
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.tiny import tiny_tokenizer
 from jaxgrpo.rl.train_state import TrainState
 from jaxgrpo.sampling import sampler_programs
 

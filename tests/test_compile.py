@@ -18,8 +18,8 @@ from flax import nnx
 
 from jaxgrpo import aot, presets, sharding
 from jaxgrpo import compile as compile_cli
+from jaxgrpo.models.tiny import tiny_model_config
 from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.rl.tiny import tiny_model_config
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,

@@ -1,5 +1,6 @@
 """The package's import graph has no cycle, counting every import of a jaxgrpo module (at the
-top of a file or inside a function): a function-level import must not hide one."""
+top of a file or inside a function: a function-level import must not hide one), except those
+under ``if TYPE_CHECKING:``, which never run."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def _modules() -> dict[str, pathlib.Path]:
 
 def import_graph() -> dict[str, set[str]]:
     """module -> the jaxgrpo modules it imports (``from a import b`` counts ``a.b`` when it is
-    a module, else ``a``)."""
+    a module, else ``a``), with the packages whose ``__init__`` such an import runs."""
     mods = _modules()
 
     def resolve(name: str) -> str | None:
@@ -31,7 +32,16 @@ def import_graph() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for module, path in mods.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        typing_only = {  # imports under `if TYPE_CHECKING:` never run
+            id(n)
+            for block in ast.walk(tree)
+            if isinstance(block, ast.If) and getattr(block.test, "id", "") == "TYPE_CHECKING"
+            for n in ast.walk(block)
+        }
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 names = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -44,8 +54,16 @@ def import_graph() -> dict[str, set[str]]:
                 continue
             for name in names:
                 target = resolve(name) if name.startswith("jaxgrpo") else None
-                if target and target != module:
-                    graph[module].add(target)
+                if not target or target == module:
+                    continue
+                graph[module].add(target)
+                # Importing a.b.c runs a/b/__init__.py first, unless it is already running
+                # because it is one of this module's own packages.
+                parts = target.split(".")
+                for depth in range(2, len(parts)):
+                    parent = ".".join(parts[:depth])
+                    if parent in mods and not module.startswith(parent + "."):
+                        graph[module].add(parent)
     return graph
 
 

@@ -17,9 +17,9 @@ from jaxgrpo.checkpoint import Checkpointer
 from jaxgrpo.config import ConfigError, load_config
 from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.tiny import tiny_model_config, tiny_tokenizer
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rewards import RewardSet
-from jaxgrpo.rl.tiny import tiny_model_config, tiny_tokenizer
 from jaxgrpo.runtime import RunFiles
 
 

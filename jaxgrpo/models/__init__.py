@@ -6,7 +6,7 @@
 
 ``load_model("random:Qwen2.5-1.5B")`` builds random weights of a ``jaxgrpo.presets.ARCHITECTURES``
 shape instead (benchmarks, compile checks, GPU runs with no download). Its tokenizer is the
-tiny byte-level BPE of ``jaxgrpo.rl.tiny`` (384 ids, ChatML template), whose ids fit any of
+tiny byte-level BPE of ``jaxgrpo.models.tiny`` (384 ids, ChatML template), whose ids fit any of
 those vocabularies: prompts tokenize as they would for the tiny model, so lengths and costs are
 those of the real model only up to the tokenizer's compression.
 
@@ -35,10 +35,10 @@ from jaxgrpo import presets
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.gguf import GGUFCheckpoint
 from jaxgrpo.models.init import empty_model, random_model
+from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.models.weights import load_hf_tensors
-from jaxgrpo.rl.tiny import tiny_tokenizer
 
 __all__ = [
     "LoRAConfig",

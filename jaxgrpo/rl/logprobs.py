@@ -36,14 +36,16 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.rl.rollout import Packing
 from jaxgrpo.types import Array, PyTree
+
+if TYPE_CHECKING:  # annotations only: rl.rollout imports the evaluation's accuracy module
+    from jaxgrpo.rl.rollout import Packing
 
 # Up to this many bytes of [R, T, V] float32 log-probabilities, the backward pass of the
 # head keeps them instead of recomputing the logits (the GRPO benchmark's 512 packed

@@ -7,9 +7,9 @@ import pytest
 from flax import nnx
 
 from jaxgrpo.models.config import ModelConfig
+from jaxgrpo.models.tiny import tiny_model_config, tiny_tokenizer
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rewards import perplexity as ppl
-from jaxgrpo.rl.tiny import tiny_model_config, tiny_tokenizer
 
 
 def _random_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
