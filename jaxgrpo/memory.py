@@ -98,6 +98,9 @@ class RunShape:
       micro_batches: num_minibatches * grad_accum (a micro-batch holds B / this prompts).
       grad_accum: micro-batches summed per update.
       beta: KL coefficient (> 0 keeps a reference policy).
+      packed: ``rl.pack_completions``: the update's rows are a micro-batch's prompts, each
+        packing its G completions; they split over data x fsdp only when they divide evenly
+        (else every device scores all of them, as ``sharding.batch_sharding`` places them).
     """
 
     prompts: int
@@ -107,6 +110,7 @@ class RunShape:
     micro_batches: int = 1
     grad_accum: int = 1
     beta: float = 0.0
+    packed: bool = True
 
     def with_grad_accum(self, grad_accum: int) -> RunShape:
         """The same run with ``grad_accum`` micro-batches per update (minibatches kept)."""
@@ -185,8 +189,13 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
     cb = _BYTES[cfg.dtype]
     d, f, h, t = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, run.new_tokens
     n, k = cfg.num_heads / tensor, max(1, cfg.num_kv_heads // tensor)
-    prompts = max(1.0, run.prompts / run.micro_batches / rows_split)
-    rows = prompts * run.group
+    micro = run.prompts / run.micro_batches  # prompts per micro-batch
+    if run.packed:
+        prompts = micro / rows_split if micro % rows_split == 0 else micro
+        rows = prompts * run.group
+    else:  # one row per sequence, split over the devices (each holds its prompts' part)
+        rows = micro * run.group / rows_split
+        prompts = max(1.0, rows / run.group)
     seq = run.prompt_len + t
     tokens = prompts * run.prompt_len + rows * t
     # Per token and layer: norms' inputs (2D), q and attention output (2NH), k and v (2KH),
@@ -220,7 +229,7 @@ def model_config(source: str, *, lora: Any = None, **overrides: Any) -> ModelCon
     import os
 
     if source == "tiny":
-        from jaxgrpo.rl.tiny import tiny_model_config
+        from jaxgrpo.models.tiny import tiny_model_config
 
         return tiny_model_config().replace(lora=lora, **overrides)
     if source == "smollm2":
@@ -259,6 +268,7 @@ def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
         micro_batches=rl.num_minibatches * rl.grad_accum,
         grad_accum=rl.grad_accum,
         beta=rl.beta,
+        packed=rl.pack_completions,
     )
     return model_cfg, run
 

@@ -167,7 +167,7 @@ def test_fitting_grad_accum_is_what_the_config_check_accepts(preset):
     from jaxgrpo.presets import PRESETS
 
     p = PRESETS[preset]
-    cfg = config_lib.load_config("gsm8k_hard")
+    cfg = config_lib.load_config("gsm8k_hard", {"rl.grad_accum": 4})
     _, run = memory.from_train_config(cfg, 256, "tiny")
     g = memory.fitting_grad_accum(run, p.mesh)
     assert 1 <= g <= 4
@@ -182,14 +182,15 @@ def test_fitting_grad_accum_is_what_the_config_check_accepts(preset):
 
 
 def test_cli_names_the_grad_accum_a_slice_needs(capsys):
-    assert memory.main(["--config", "gsm8k_hard", "--preset", "v5e-256"]) == 0
+    four = "--config.rl.grad_accum=4"
+    assert memory.main(["--config", "gsm8k_hard", "--preset", "v5e-256", four]) == 0
     out = capsys.readouterr().out
     assert "estimated with --config.rl.grad_accum=2" in out and "grad_accum 2" in out
     argv = ["--config", "gsm8k_hard", "--preset", "v5e-256", "--config.rl.grad_accum=2"]
     assert memory.main(argv) == 0
     out = capsys.readouterr().out
     assert "estimated with" not in out and "grad_accum 2" in out
-    assert memory.main(["--config", "gsm8k_hard", "--preset", "v5e-64"]) == 0
+    assert memory.main(["--config", "gsm8k_hard", "--preset", "v5e-64", four]) == 0
     assert "estimated with" not in capsys.readouterr().out  # the preset's tensor=4 fits it
 
 
