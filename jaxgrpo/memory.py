@@ -24,8 +24,9 @@ The estimate is arithmetic on the model's shapes, with no model built:
 Parameters, optimizer state and cache are checked against real arrays by the tests; the
 activations are an order-of-magnitude figure (XLA fuses and reuses buffers), checked against
 XLA's own buffer assignment within a stated factor. For the compiler's own per-program figures
-on a real slice, use ``python -m jaxgrpo.compile`` (at gsm8k_hard's size on v5e-64 the update's
-temporaries were about 3x this activation term: it is a lower bound there).
+on a real slice, use ``python -m jaxgrpo.compile``; at gsm8k_hard's sizes the compiled update
+is larger than this estimate's update phase, which is a lower bound there
+(``benchmarks/memory_vs_compiled.py`` and its table in benchmarks/README.md).
 """
 
 from __future__ import annotations

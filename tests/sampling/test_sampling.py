@@ -367,31 +367,31 @@ def test_no_recompilation_when_knobs_change(tiny):
     assert sampling.compiled_programs() == before + 2, "a new bucket compiles prefill + decode"
 
 
-def test_sharded_8_devices_equals_one(tiny):
-    """Batch over (data, fsdp) and heads over tensor on a 2x2x2 mesh of 8 virtual devices give
-    the same tokens and logprobs (1e-5) as one device."""
+def _on_eight_devices(model, cfg, ids, mask):
+    """``model``'s weights on a 2x2x2 mesh under the sampling rules (as a model of ``cfg``),
+    and the batch rows over (data, fsdp)."""
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
     from jaxgrpo import sharding as shd
     from jaxgrpo.models.init import random_model
 
+    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = random_model(cfg, mesh=mesh, rules=shd.SAMPLE_RULES)
+    place = lambda x, y: jax.device_put(x, y.sharding)  # noqa: E731
+    nnx.update(sharded, jax.tree.map(place, nnx.state(model), nnx.state(sharded)))
+    rows = shd.batch_sharding(mesh, ids.shape[0], 2)
+    return sharded, jax.device_put(ids, rows), jax.device_put(mask, rows)
+
+
+def test_sharded_8_devices_equals_one(tiny):
+    """Batch over (data, fsdp) and heads over tensor on a 2x2x2 mesh of 8 virtual devices give
+    the same tokens and logprobs (1e-5) as one device."""
     model, ids, mask = tiny
     ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # B = 4
-    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    sharded = random_model(model.cfg, mesh=mesh, rules=shd.SAMPLE_RULES)
-    nnx.update(
-        sharded,
-        jax.tree.map(
-            lambda x, y: jax.device_put(x, y.sharding), nnx.state(model), nnx.state(sharded)
-        ),
-    )
-    batch = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
+    sharded, *placed = _on_eight_devices(model, model.cfg, ids, mask)
     kw = dict(rng=jax.random.key(2), max_new_tokens=6, temperature=1.0, num_samples=2, eos_ids=(3,))
     one = sampling.generate(model, ids, mask, **kw)
-    eight = sampling.generate(
-        sharded, jax.device_put(ids, batch), jax.device_put(mask, batch), **kw
-    )
+    eight = sampling.generate(sharded, *placed, **kw)
     assert len(eight.tokens.sharding.device_set) == 8
     np.testing.assert_array_equal(eight.tokens, one.tokens)
     np.testing.assert_allclose(eight.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
@@ -436,10 +436,7 @@ def test_scanned_decode_equals_unrolled(tiny):
     the unrolled loop's tokens, and logprobs within 1e-5, with row compaction at two levels,
     on one device and on a 2x2x2 mesh under the sampling rules."""
     from flax import nnx
-    from jax.sharding import NamedSharding, PartitionSpec
 
-    from jaxgrpo import sharding as shd
-    from jaxgrpo.models.init import random_model
     from jaxgrpo.models.transformer import Transformer
 
     model, ids, mask = tiny
@@ -454,16 +451,7 @@ def test_scanned_decode_equals_unrolled(tiny):
         max_lengths=max_len, compact_rows=(8, 2),
     )  # fmt: skip
     unrolled = sampling.generate(model, ids, mask, **kw)
-    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    sharded = random_model(scanned.cfg, mesh=mesh, rules=shd.SAMPLE_RULES)
-    nnx.update(
-        sharded,
-        jax.tree.map(
-            lambda x, y: jax.device_put(x, y.sharding), nnx.state(model), nnx.state(sharded)
-        ),
-    )
-    batch = NamedSharding(mesh, PartitionSpec(("data", "fsdp")))
-    placed = jax.device_put(ids, batch), jax.device_put(mask, batch)
+    sharded, *placed = _on_eight_devices(model, scanned.cfg, ids, mask)
     assert int(np.asarray(unrolled.lengths).max()) > 3, "the compacted loop decoded nothing"
     for out in (
         sampling.generate(scanned, ids, mask, **kw),
