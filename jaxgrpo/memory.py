@@ -14,7 +14,8 @@ The estimate is arithmetic on the model's shapes, with no model built:
   ``prompts_per_step * group_size / (data * fsdp)``, K split over ``tensor``;
 * the sampler's weights: the decode program reshards the weights to
   ``sharding.sampling_rules`` and lays them out per layer, two copies in the compute dtype,
-  split over ``tensor`` only when they fit replicated over data x fsdp (else fsdp-sharded);
+  split over ``tensor`` when they fit replicated over data x fsdp, else over fsdp x tensor when
+  that fits, else one fsdp-sharded copy;
 * activations of one micro-batch's update, kept for the backward pass (prefix-shared: the
   prompt once per group, the completions against its repeated cache): per token and layer the
   block's inputs, q/k/v, attention output, MLP hidden and SwiGLU product, plus float32 attention
@@ -47,7 +48,7 @@ from jaxgrpo.presets import (
     find_architecture,
     get_preset,
 )
-from jaxgrpo.sharding import SAMPLE_WEIGHT_FRACTION
+from jaxgrpo.sharding import sampling_layout
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 LOGITS_CHUNK = 64  # positions per logits block in rl/logprobs.py
@@ -177,8 +178,9 @@ def estimate(
     kv_heads = max(1, cfg.num_kv_heads // mesh["tensor"])
     out["kv_cache"] = 2.0 * cfg.num_layers * rows * seq * kv_heads * cfg.head_dim * cb
     weights = (base_param_count(cfg) + lora) * cb
-    replicated = hbm_bytes is None or weights / mesh["tensor"] <= SAMPLE_WEIGHT_FRACTION * hbm_bytes
-    out["sample_weights"] = weights * (2.0 / mesh["tensor"] if replicated else 1.0 / shard)
+    layout = "sample" if hbm_bytes is None else sampling_layout(mesh, weights, hbm_bytes)
+    split = {"sample": 2.0 / mesh["tensor"], "sample_tp": 2.0 / shard, "train": 1.0 / shard}
+    out["sample_weights"] = weights * split[layout]
     out["activations"] = _activations(cfg, run, rows_split, mesh["tensor"])
     static = out["params"] + out["grads"] + out["opt_state"] + out["ref_params"]
     out["total"] = static + max(out["kv_cache"] + out["sample_weights"], out["activations"])

@@ -53,8 +53,18 @@ TRAIN_RULES: Rules = (
 # (the decode layers' matrices are pinned Megatron-style, see `models.decode`).
 SAMPLE_RULES: Rules = tuple((k, None) if k == "embed" else (k, v) for k, v in TRAIN_RULES)
 
-# Fraction of a chip's HBM the sampler may spend on weights replicated over data x fsdp: the
-# decode program holds them twice (the resharded state and the per-layer decode matrices).
+# Sampling a model whose SAMPLE_RULES copy does not fit (an 8B model on v5e-8, which has no
+# tensor axis): tensor-parallel over fsdp x tensor, every chip holding its share of the heads,
+# the MLP and the vocabulary of every row; rows split over data only.
+_SPLIT = ("fsdp", "tensor")
+_SAMPLE_TP = {"embed": None, "act_batch": "data"} | {
+    k: _SPLIT
+    for k in ("vocab", "heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
+}  # fmt: skip
+SAMPLE_TP_RULES: Rules = tuple((k, _SAMPLE_TP.get(k, v)) for k, v in TRAIN_RULES)
+
+# Fraction of a chip's HBM the sampler may spend on its copy of the weights: the decode
+# program holds them twice (the resharded state and the per-layer decode matrices).
 SAMPLE_WEIGHT_FRACTION = 0.3
 
 
@@ -66,23 +76,41 @@ class ShardingCtx:
     rules: Rules = TRAIN_RULES
 
 
+def sampling_layout(mesh_shape: dict[str, int], weight_bytes: float, hbm_bytes: float) -> str:
+    """The name of the rules the sampler decodes under (see `sampling_rules`), from sizes."""
+    budget = SAMPLE_WEIGHT_FRACTION * hbm_bytes
+    if weight_bytes / mesh_shape["tensor"] <= budget:
+        return "sample"
+    split = mesh_shape["fsdp"] * mesh_shape["tensor"]
+    if mesh_shape["fsdp"] > 1 and weight_bytes / split <= budget:
+        return "sample_tp"
+    return "train"
+
+
 def sampling_rules(mesh: Mesh, weight_bytes: float) -> Rules:
     """The rules the sampler decodes under on ``mesh``, for weights of ``weight_bytes``.
 
     ``SAMPLE_RULES`` (weights replicated over data x fsdp, split over tensor) when the split
     weights fit in ``SAMPLE_WEIGHT_FRACTION`` of a chip's memory, so a decode step needs no
-    collective beyond the tensor-parallel all-reduces; else ``TRAIN_RULES`` (weights stay
-    fsdp-sharded, every projection reduces over fsdp at every token): give such a slice a
-    tensor axis (the 64-chip presets have one) to decode a large model replicated.
+    collective beyond the tensor-parallel all-reduces; else ``SAMPLE_TP_RULES`` (split over
+    fsdp x tensor, the same all-reduces over more chips) when that fits; else ``TRAIN_RULES``
+    (weights stay fsdp-sharded and every projection gathers or reduces at every token).
     """
     chip = presets.chip_of(mesh.devices.flat[0])
-    per_chip = weight_bytes / mesh.shape["tensor"]
-    return SAMPLE_RULES if per_chip <= SAMPLE_WEIGHT_FRACTION * chip.hbm_bytes else TRAIN_RULES
+    name = sampling_layout(dict(mesh.shape), weight_bytes, chip.hbm_bytes)
+    return {"sample": SAMPLE_RULES, "sample_tp": SAMPLE_TP_RULES, "train": TRAIN_RULES}[name]
+
+
+def rule_axes(rules: Rules, name: str) -> tuple[str, ...]:
+    """The mesh axes logical axis ``name`` maps to under ``rules`` (() = replicated)."""
+    axes = dict(rules).get(name)
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def rules_name(rules: Rules) -> str:
-    """ "train", "sample" or "custom"."""
-    return {TRAIN_RULES: "train", SAMPLE_RULES: "sample"}.get(rules, "custom")
+    """ "train", "sample", "sample_tp" or "custom"."""
+    names = {TRAIN_RULES: "train", SAMPLE_RULES: "sample", SAMPLE_TP_RULES: "sample_tp"}
+    return names.get(rules, "custom")
 
 
 def make_mesh(shape: dict[str, int] | None = None, devices=None) -> Mesh:
@@ -146,9 +174,7 @@ def logical_to_spec(
             continue
         if name not in table:
             raise ValueError(f"No sharding rule for logical axis {name!r}; rules: {sorted(table)}.")
-        axes = table[name]
-        axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-        axes = tuple(a for a in axes if a not in used)  # a mesh axis may appear only once
+        axes = tuple(a for a in rule_axes(rules, name) if a not in used)  # a mesh axis may appear only once
         if shape is not None and mesh is not None:
             axes = tuple(a for a in axes if mesh.shape[a] > 1)
             if axes and shape[i] % math.prod(mesh.shape[a] for a in axes):
@@ -197,8 +223,7 @@ def replicated(mesh: Mesh) -> NamedSharding:
 def batch_sharding(mesh: Mesh, rows: int, ndim: int, rules: Rules = TRAIN_RULES) -> NamedSharding:
     """Rows over the mesh axes of the ``act_batch`` rule when they divide evenly, else
     replicated; the other ``ndim - 1`` dimensions whole."""
-    axes = dict(rules).get("act_batch")
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    axes = rule_axes(rules, "act_batch")
     if not axes or rows % math.prod(mesh.shape[a] for a in axes):
         return replicated(mesh)
     return NamedSharding(mesh, PartitionSpec(axes, *([None] * (ndim - 1))))

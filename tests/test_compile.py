@@ -129,18 +129,29 @@ def test_decode_step_on_training_weights_gathers_every_token(monkeypatch):
 
 
 @needs_libtpu
-def test_tensor_parallel_decode_step_only_reduces():
-    """With tensor=2 the decode matrices are split Megatron-style (q/k/v and gate/up by
-    output rows, o and down by input): a layer's collectives are two all-reduces of a few
-    activation rows, no weight is gathered, and what else moves is the sampling over the
-    vocabulary-sharded logits."""
-    rep = compile_cli.compile_config("tiny", "v5e-8", {"mesh.tensor": 2}, only=("sample",))
+@pytest.mark.parametrize(
+    "overrides, layout",
+    [({"mesh.tensor": 2}, "sample"), ({"mesh.data": 4, "mesh.fsdp": 2}, "sample_tp")],
+    ids=["tensor", "tensor-parallel-over-fsdp"],
+)
+def test_tensor_parallel_decode_step_only_reduces(monkeypatch, overrides, layout):
+    """With tensor=2 (or, under ``SAMPLE_TP_RULES``, over fsdp=2: what an 8B model gets on
+    v5e-8) the decode matrices are split Megatron-style (q/k/v and gate/up by output rows, o
+    and down by input): a layer's collectives are two all-reduces of a few activation rows, no
+    weight is gathered, and the logits move once to whole-vocabulary rows for sampling."""
+    if layout == "sample_tp":
+        monkeypatch.setattr(sharding, "sampling_rules", lambda m, n: sharding.SAMPLE_TP_RULES)
+    overrides = {"rl.group_size": 8, **overrides}
+    rep = compile_cli.compile_config("tiny", "v5e-8", overrides, only=("sample",))
+    assert rep["facts"]["sample_rules"] == layout
     body = _program(rep, "sample/decode")["loop_body_collectives"]
     layers = tiny_model_config().num_layers
     assert body.get("all-reduce", {}).get("count", 0) >= 2 * layers, body
     weights = tiny_model_config().hidden_size * tiny_model_config().intermediate_size
     gathered = body.get("all-gather", {}).get("bytes", 0)
     assert gathered < weights, body  # activations or logits at most, never a weight matrix
+    # the logits move once from vocabulary-split to row-split (whole vocabulary) for sampling
+    assert body.get("all-to-all", {}).get("count", 0) <= 1 and "collective-permute" not in body
 
 
 @needs_libtpu

@@ -108,20 +108,27 @@ def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
 
 def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None, kv_heads: int) -> DecodeLayer:
     """Under the sampling rules, pins the matrices tensor-parallel: q/k/v and gate/up split
-    their output rows over ``tensor`` (whole kv-head groups, whole F rows), o and down their
-    input, so a layer needs two all-reduces of a few activation rows (after o and after down)
-    and nothing else; vectors replicate (XLA slices them). Other rules leave XLA to choose.
+    their output rows over the heads' mesh axes (``tensor``; fsdp x tensor under
+    ``SAMPLE_TP_RULES``; whole kv-head groups, whole F rows), o and down their input, so a
+    layer needs two all-reduces of a few activation rows (after o and after down) and nothing
+    else; vectors replicate (XLA slices them). Other rules leave XLA to choose.
     """
-    if ctx is None or sharding.rules_name(ctx.rules) != "sample":
+    if ctx is None or sharding.rules_name(ctx.rules) not in ("sample", "sample_tp"):
         return w
-    tp = ctx.mesh.shape["tensor"]
-    heads, mlp = kv_heads % tp == 0, w.down.shape[1] % tp == 0
-    axis = lambda ok: "tensor" if ok and tp > 1 else None  # noqa: E731
+
+    def axis(rule: str, size: int):
+        axes = tuple(a for a in sharding.rule_axes(ctx.rules, rule) if ctx.mesh.shape[a] > 1)
+        split = math.prod(ctx.mesh.shape[a] for a in axes)
+        if not axes or size % split:
+            return None
+        return axes[0] if len(axes) == 1 else axes
+
+    heads, mlp = axis("heads", kv_heads), axis("mlp", w.down.shape[1])
     specs = dict(
-        qkv=PartitionSpec(axis(heads), None),
-        o=PartitionSpec(None, axis(heads)),
-        gate_up=PartitionSpec(axis(mlp), None),
-        down=PartitionSpec(None, axis(mlp)),
+        qkv=PartitionSpec(heads, None),
+        o=PartitionSpec(None, heads),
+        gate_up=PartitionSpec(mlp, None),
+        down=PartitionSpec(None, mlp),
     )
 
     def pin(name, x):

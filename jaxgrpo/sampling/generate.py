@@ -17,10 +17,12 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo import sharding
+from jaxgrpo.sharding import shard_act
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
-from jaxgrpo.sampling.loop import Knobs, LoopConfig, SamplingState, decode, prefill
+from jaxgrpo.sampling.loop import ROW_FIELDS, Knobs, LoopConfig, SamplingState, decode, prefill
 from jaxgrpo.types import Array, PyTree
 
 
@@ -74,11 +76,34 @@ def _decode_step_fn(model: nnx.Module):
     """
     layers = model.decode_layers()
 
+    ctx = model.shard_ctx
+
     def step_fn(_, ids_BT, mask_BT, cache):
+        # The sampled tokens arrive split as the logits were (`_whole_vocabulary`); the layers
+        # take them, and give back the cache, in the rows' layout of the rules.
+        ids_BT, mask_BT = (shard_act(x, ("act_batch", None), ctx) for x in (ids_BT, mask_BT))
         h_BTD, cache = model.decode_step(ids_BT, mask_BT, cache, layers)
-        return model.logits(h_BTD[:, -1:, :])[:, 0, :], cache
+        logits_BV = _whole_vocabulary(model.logits(h_BTD[:, -1:, :])[:, 0, :], ctx)
+        return logits_BV, cache if ctx is None else cache.constrain(ctx)
 
     return step_fn
+
+
+def _whole_vocabulary(logits_RV: Array, ctx: sharding.ShardingCtx | None) -> Array:
+    """The logits split by rows over as many mesh axes as divide them, each row's vocabulary
+    whole: one all-to-all per token, after which sampling (top-p's threshold search, min-p,
+    the draw) needs no collective, where on the LM head's vocabulary-split layout every
+    reduction over the vocabulary is one, and top-p gathers the rows' whole logits."""
+    if ctx is None:
+        return logits_RV
+    axes, split = [], 1
+    for axis in sharding.MESH_AXES:
+        size = ctx.mesh.shape[axis]
+        if size > 1 and logits_RV.shape[0] % (split * size) == 0:
+            axes.append(axis)
+            split *= size
+    spec = PartitionSpec(tuple(axes) or None, None)
+    return jax.lax.with_sharding_constraint(logits_RV, NamedSharding(ctx.mesh, spec))
 
 
 def _sampling_model(graphdef: nnx.GraphDef, states, model_cfg) -> nnx.Module:
@@ -86,7 +111,8 @@ def _sampling_model(graphdef: nnx.GraphDef, states, model_cfg) -> nnx.Module:
 
     The prefill runs on the training layout (one pass, like a training forward). Before the
     decode loop the weights move to ``sharding.sampling_rules`` (replicated over data x fsdp
-    when they fit), so the loop body's only collectives are the tensor-parallel all-reduces;
+    when they fit, else split over fsdp x tensor), so the loop body's only collectives are
+    the tensor-parallel all-reduces;
     the resharded copy lives only while this program runs.
     """
     model = nnx.merge(graphdef, *states)
@@ -103,6 +129,18 @@ def _sampling_model(graphdef: nnx.GraphDef, states, model_cfg) -> nnx.Module:
     model = nnx.merge(graphdef, *states)
     model.shard_ctx = sharding.ShardingCtx(ctx.mesh, rules)
     return model
+
+
+def _rows_to(state: SamplingState, ctx: sharding.ShardingCtx | None) -> SamplingState:
+    """The loop state laid out by ``ctx``'s rules once, before the loop: rows (and the cache)
+    move when the sampling rules split them differently from the training rules (over data
+    only under ``SAMPLE_TP_RULES``), so the loop's carry keeps one layout at every token."""
+    if ctx is None:
+        return state
+    rows = lambda x: shard_act(x, ("act_batch",) + (None,) * (x.ndim - 1), ctx)  # noqa: E731
+    return state.replace(
+        cache=state.cache.constrain(ctx), **{f: rows(getattr(state, f)) for f in ROW_FIELDS}
+    )
 
 
 @functools.lru_cache(maxsize=32)
@@ -123,8 +161,9 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
         return state.replace(cache=state.cache.constrain(ctx))
 
     def decode_fn(states, state, knobs) -> SamplingState:
-        step_fn = _decode_step_fn(_sampling_model(graphdef, states, model_cfg))
-        return decode(step_fn, None, state, knobs, cfg)
+        model = _sampling_model(graphdef, states, model_cfg)
+        state = _rows_to(state, model.shard_ctx)
+        return decode(_decode_step_fn(model), None, state, knobs, cfg)
 
     return jax.jit(prefill_fn), jax.jit(decode_fn, donate_argnums=1)
 

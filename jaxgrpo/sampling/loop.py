@@ -244,7 +244,7 @@ def prefill(
     return _sample_and_record(state, logits_BV, knobs, cfg)
 
 
-_ROW_FIELDS = (
+ROW_FIELDS = (
     "tokens_RT",
     "logprobs_RT",
     "mask_RT",
@@ -259,7 +259,7 @@ def _take_rows(state: SamplingState, knobs: Knobs, rows_M: Array) -> tuple[Sampl
     """The loop state and knobs of rows ``rows_M`` only (the cache via ``cache.take``)."""
     take = lambda x: jnp.take(x, rows_M, axis=0)  # noqa: E731
     sub = state.replace(
-        cache=state.cache.take(rows_M), **{f: take(getattr(state, f)) for f in _ROW_FIELDS}
+        cache=state.cache.take(rows_M), **{f: take(getattr(state, f)) for f in ROW_FIELDS}
     )
     knobs = knobs.replace(
         temperature_RT=take(knobs.temperature_RT), max_len_R=take(knobs.max_len_R)
@@ -269,7 +269,7 @@ def _take_rows(state: SamplingState, knobs: Knobs, rows_M: Array) -> tuple[Sampl
 
 def _put_rows(state: SamplingState, rows_M: Array, sub: SamplingState) -> SamplingState:
     """Writes the rows decoded by ``sub`` back; the cache stays the one before compaction."""
-    put = {f: getattr(state, f).at[rows_M].set(getattr(sub, f)) for f in _ROW_FIELDS}
+    put = {f: getattr(state, f).at[rows_M].set(getattr(sub, f)) for f in ROW_FIELDS}
     return state.replace(step=sub.step, **put)
 
 

@@ -367,16 +367,16 @@ def test_no_recompilation_when_knobs_change(tiny):
     assert sampling.compiled_programs() == before + 2, "a new bucket compiles prefill + decode"
 
 
-def _on_eight_devices(model, cfg, ids, mask):
-    """``model``'s weights on a 2x2x2 mesh under the sampling rules (as a model of ``cfg``),
-    and the batch rows over (data, fsdp)."""
+def _on_eight_devices(model, cfg, ids, mask, shape=None, rules=None):
+    """``model``'s weights on a mesh of 8 devices (default 2x2x2) under ``rules`` (default the
+    sampling rules), as a model of ``cfg``, and the batch rows over (data, fsdp)."""
     from flax import nnx
 
     from jaxgrpo import sharding as shd
     from jaxgrpo.models.init import random_model
 
-    mesh = shd.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-    sharded = random_model(cfg, mesh=mesh, rules=shd.SAMPLE_RULES)
+    mesh = shd.make_mesh(shape or {"data": 2, "fsdp": 2, "tensor": 2})
+    sharded = random_model(cfg, mesh=mesh, rules=rules or shd.SAMPLE_RULES)
     place = lambda x, y: jax.device_put(x, y.sharding)  # noqa: E731
     nnx.update(sharded, jax.tree.map(place, nnx.state(model), nnx.state(sharded)))
     rows = shd.batch_sharding(mesh, ids.shape[0], 2)
@@ -394,6 +394,33 @@ def test_sharded_8_devices_equals_one(tiny):
     eight = sampling.generate(sharded, *placed, **kw)
     assert len(eight.tokens.sharding.device_set) == 8
     np.testing.assert_array_equal(eight.tokens, one.tokens)
+    np.testing.assert_allclose(eight.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_tensor_parallel_over_fsdp_sampling_equals_one_device(tiny, monkeypatch):
+    """Trained weights fsdp-sharded on a 4x2x1 mesh, resharded for decoding by
+    ``SAMPLE_TP_RULES`` (heads, MLP and vocabulary over fsdp, rows over data; what an 8B model
+    gets on v5e-8), give one device's tokens, and logprobs within 1e-5, with compaction."""
+    from jaxgrpo import sharding as shd
+
+    model, ids, mask = tiny
+    ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # B = 4
+    shape = {"data": 4, "fsdp": 2, "tensor": 1}
+    sharded, *placed = _on_eight_devices(model, model.cfg, ids, mask, shape, shd.TRAIN_RULES)
+    picked = []
+    choose = lambda mesh, nbytes: picked.append(shd.SAMPLE_TP_RULES) or shd.SAMPLE_TP_RULES  # noqa: E731
+    monkeypatch.setattr(shd, "sampling_rules", choose)
+    max_len = np.full(16, 3)
+    max_len[[1, 6, 11, 12]] = [10, 5, 5, 8]
+    kw = dict(
+        rng=jax.random.key(4), max_new_tokens=10, temperature=1.0, num_samples=4, eos_ids=(3,),
+        max_lengths=max_len, compact_rows=(8,),
+    )  # fmt: skip
+    one = sampling.generate(model, ids, mask, **kw)
+    eight = sampling.generate(sharded, *placed, **kw)
+    assert picked, "the sampler did not ask for its layout"
+    np.testing.assert_array_equal(eight.tokens, one.tokens)
+    np.testing.assert_array_equal(eight.lengths, one.lengths)
     np.testing.assert_allclose(eight.logprobs, one.logprobs, rtol=1e-5, atol=1e-5)
 
 
