@@ -204,16 +204,21 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
     # Per token and layer: norms' inputs (2D), q and attention output (2NH), k and v (2KH),
     # o output (D), gate/up (2F), SwiGLU product (F).
     per_token = (3 * d + 2 * n * h + 2 * k * h + 3 * f / tensor) * cb
-    # float32 attention logits and probabilities (both kept for the softmax backward):
-    # prompt queries x prompt keys, completion queries x every key.
-    scores = 2 * 4.0 * n * (prompts * run.prompt_len**2 + rows * t * seq)
+    # float32 attention scores, probabilities and the backward's score gradient (one layer
+    # live): prompt queries x prompt keys, completion queries x every key. Packed, a prompt's
+    # G completions are one row of G * T queries against P + G * T keys, a dense matrix that
+    # the segment mask mostly blanks (the compiled update's largest buffers).
+    own = prompts * run.group * t * (run.prompt_len + run.group * t) if run.packed else rows * t * seq
+    scores = 3 * 4.0 * n * (prompts * run.prompt_len**2 + own)
     cache = 2.0 * rows * seq * k * h * cb  # the repeated prompt cache, per layer
     layer = tokens * per_token + scores + cache
     if cfg.remat:
         kept = cfg.num_layers * tokens * d * cb + layer
     else:
         kept = cfg.num_layers * layer
-    logits = 3.0 * rows * min(LOGITS_CHUNK, t) * cfg.vocab_size / tensor * 4
+    # A block of LOGITS_CHUNK columns of each row: packed, a row is a prompt's G completions.
+    logit_rows = prompts if run.packed else rows
+    logits = 3.0 * logit_rows * min(LOGITS_CHUNK, t) * cfg.vocab_size / tensor * 4
     return kept + logits
 
 

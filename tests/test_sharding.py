@@ -41,6 +41,28 @@ def test_logical_to_spec_and_unknown_names():
         sharding.logical_to_spec(("embed", "bogus"), rules)
 
 
+def test_sampling_layout_by_model_and_slice():
+    """Replicated over data x fsdp where the weights fit (Qwen2.5-1.5B on v5e-8, Llama-3.1-8B
+    with v5e-64's tensor=4), tensor-parallel over fsdp x tensor where only that split fits
+    (Llama-3.1-8B on v5e-8: 16 GB of bfloat16 weights, 2 GB a chip), else the training
+    layout; the tensor-parallel rules split heads over both axes and rows over data only."""
+    from jaxgrpo import flops, memory, presets
+
+    def layout(model: str, slice_name: str) -> str:
+        preset = presets.get_preset(slice_name)
+        weights = flops.weight_bytes(memory.model_config(model, dtype="bfloat16"))
+        return sharding.sampling_layout(preset.mesh, weights, preset.hbm_bytes)
+
+    assert layout("Qwen2.5-1.5B", "v5e-8") == "sample"
+    assert layout("Llama-3.1-8B", "v5e-64") == "sample"
+    assert layout("Llama-3.1-8B", "v5e-8") == "sample_tp"
+    assert sharding.sampling_layout({"data": 8, "fsdp": 1, "tensor": 1}, 16e9, 16e9) == "train"
+    tp = sharding.SAMPLE_TP_RULES
+    assert sharding.logical_to_spec(("embed", "heads"), tp) == P(None, ("fsdp", "tensor"))
+    assert sharding.logical_to_spec(("act_batch", "act_vocab"), tp) == P("data", ("fsdp", "tensor"))
+    assert sharding.rules_name(tp) == "sample_tp"
+
+
 def test_make_mesh_fills_and_validates():
     mesh = sharding.make_mesh({"tensor": 2, "data": -1})
     assert dict(mesh.shape) == {"data": 4, "fsdp": 1, "tensor": 2}
@@ -63,6 +85,7 @@ def _dump(mesh) -> str:
     for name, rules in (
         ("TRAIN_RULES", sharding.TRAIN_RULES),
         ("SAMPLE_RULES", sharding.SAMPLE_RULES),
+        ("SAMPLE_TP_RULES", sharding.SAMPLE_TP_RULES),
     ):
         lines.append(f"# {name} on mesh {dict(mesh.shape)}")
         specs = sharding.param_specs(nnx.state(abstract), rules, mesh)
