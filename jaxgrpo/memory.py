@@ -208,7 +208,9 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
     # live): prompt queries x prompt keys, completion queries x every key. Packed, a prompt's
     # G completions are one row of G * T queries against P + G * T keys, a dense matrix that
     # the segment mask mostly blanks (the compiled update's largest buffers).
-    own = prompts * run.group * t * (run.prompt_len + run.group * t) if run.packed else rows * t * seq
+    own = (
+        prompts * run.group * t * (run.prompt_len + run.group * t) if run.packed else rows * t * seq
+    )
     scores = 3 * 4.0 * n * (prompts * run.prompt_len**2 + own)
     cache = 2.0 * rows * seq * k * h * cb  # the repeated prompt cache, per layer
     layer = tokens * per_token + scores + cache

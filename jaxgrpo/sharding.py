@@ -57,10 +57,10 @@ SAMPLE_RULES: Rules = tuple((k, None) if k == "embed" else (k, v) for k, v in TR
 # tensor axis): tensor-parallel over fsdp x tensor, every chip holding its share of the heads,
 # the MLP and the vocabulary of every row; rows split over data only.
 _SPLIT = ("fsdp", "tensor")
-_SAMPLE_TP = {"embed": None, "act_batch": "data"} | {
-    k: _SPLIT
-    for k in ("vocab", "heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp", "act_vocab")
-}  # fmt: skip
+_SPLIT_NAMES = ("vocab", "heads", "kv_heads", "mlp", "act_heads", "act_kv_heads", "act_mlp")
+_SAMPLE_TP = {"embed": None, "act_batch": "data", "act_vocab": _SPLIT} | {
+    k: _SPLIT for k in _SPLIT_NAMES
+}
 SAMPLE_TP_RULES: Rules = tuple((k, _SAMPLE_TP.get(k, v)) for k, v in TRAIN_RULES)
 
 # Fraction of a chip's HBM the sampler may spend on its copy of the weights: the decode
@@ -174,7 +174,9 @@ def logical_to_spec(
             continue
         if name not in table:
             raise ValueError(f"No sharding rule for logical axis {name!r}; rules: {sorted(table)}.")
-        axes = tuple(a for a in rule_axes(rules, name) if a not in used)  # a mesh axis may appear only once
+        axes = tuple(
+            a for a in rule_axes(rules, name) if a not in used
+        )  # a mesh axis may appear only once
         if shape is not None and mesh is not None:
             axes = tuple(a for a in axes if mesh.shape[a] > 1)
             if axes and shape[i] % math.prod(mesh.shape[a] for a in axes):

@@ -32,9 +32,11 @@ from jaxgrpo.models.decode import (
 from jaxgrpo.models.kv_cache import KVCache, LayerKVCache
 from jaxgrpo.models.layers import (
     X_AXES,
+    BandedMask,
     Einsum,
     RMSNorm,
     attend,
+    banded_attend,
     decoder_layer,
     rope_cos_sin,
     rope_inv_freq,
@@ -208,6 +210,8 @@ class Block(nnx.Module):
                 k_BTKH = jax.lax.dynamic_index_in_dim(k_LBSKH, layer, 0, keepdims=False)
                 v_BTKH = jax.lax.dynamic_index_in_dim(v_LBSKH, layer, 0, keepdims=False)
                 new_kv = (k_LBSKH, v_LBSKH)
+            if isinstance(mask_BTS, BandedMask):
+                return banded_attend(q_BTNH, k_BTKH, v_BTKH, prefix_kv, mask_BTS), new_kv
             if prefix_kv is not None:
                 pk_BPKH, pv_BPKH = prefix_kv
                 k_BTKH = jnp.concatenate([pk_BPKH.astype(k_BTKH.dtype), k_BTKH], axis=1)
@@ -295,7 +299,9 @@ class Transformer(nnx.Module):
             positions_BT: position ids; default `cumsum(mask) - 1`, clipped at 0.
             attention_BTS: bool [B, T, S]: which keys each query attends (S = T, or P + T
                 with `prefix_kv`), replacing the causal mask over real tokens. For packed
-                sequences, where several completions share one row and one prompt.
+                sequences, where several completions share one row and one prompt; or a
+                `layers.BandedMask` (with `prefix_kv`) when no completion is longer than
+                its width.
             prefix_kv: the scoring passes' prompt keys and values, each [L, B, P, K, H] (from
                 a `return_kv` pass), attended before the T new ones and not extended. Needs
                 `positions_BT` and `attention_BTS`.
@@ -314,6 +320,11 @@ class Transformer(nnx.Module):
         s = t + (0 if prefix_kv is None else prefix_kv[0].shape[2])
         if attention_BTS is None:
             mask_BTS = _causal(mask_BT, jnp.arange(t))
+        elif isinstance(attention_BTS, BandedMask):
+            w = attention_BTS.width
+            if prefix_kv is None or t % w or attention_BTS.own_XWV.shape != (b * t // w, w, 2 * w):
+                raise ValueError(f"a BandedMask of width {w} needs prefix_kv and T = {t} blocks")
+            mask_BTS = attention_BTS
         elif attention_BTS.shape != (b, t, s):
             raise ValueError(f"attention_BTS has shape {attention_BTS.shape}, want {(b, t, s)}")
         else:

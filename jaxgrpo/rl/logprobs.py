@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.models.layers import banded_mask
 from jaxgrpo.types import Array, PyTree
 
 if TYPE_CHECKING:  # annotations only: rl.rollout imports the evaluation's accuracy module
@@ -298,17 +299,22 @@ def packed_logprobs(
 
     ids_BL, temps_BL = to_packed(tokens_RT), to_packed(temps_RT)
     seg_BL, pos_BL = packing.seg_BL, packing.pos_BL
-    valid_BL = seg_BL >= 0
-    causal_LL = jnp.tril(jnp.ones((width, width), jnp.bool_))
-    own_BLL = (seg_BL[:, :, None] == seg_BL[:, None, :]) & causal_LL[None] & valid_BL[:, None, :]
-    prompt_BLS = jnp.broadcast_to(slots_BS[:, None, :], (b, width, slots_BS.shape[1]))
+    band = _band_width(t, width)
+    if band:  # pad the row to whole blocks; the padding columns are cut off below
+        extra = -width % band
+        pad = lambda x, v=0: jnp.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
+        ids_BC, seg_BC, pos_BC = pad(ids_BL), pad(seg_BL, -1), pad(pos_BL)
+        attention = banded_mask(seg_BC, slots_BS, band)
+    else:
+        ids_BC, seg_BC, pos_BC = ids_BL, seg_BL, pos_BL
+        attention = _dense_packed_mask(seg_BL, slots_BS)
     h_BLD = model.forward(
-        ids_BL,
-        valid_BL.astype(jnp.int32),
-        positions_BT=next_pos_B[:, None] + pos_BL,
+        ids_BC,
+        (seg_BC >= 0).astype(jnp.int32),
+        positions_BT=next_pos_B[:, None] + pos_BC,
         prefix_kv=prompt_kv,
-        attention_BTS=jnp.concatenate([prompt_BLS, own_BLL], axis=2),
-    )
+        attention_BTS=attention,
+    )[:, :width]
     # Left padding puts every prompt's last token in the last column.
     h_prev_BLD = jnp.concatenate([h_BPD[:, -1:], h_BLD[:, :-1]], axis=1)
     h_pred_BLD = jnp.where((pos_BL == 0)[..., None], h_BPD[:, -1:], h_prev_BLD)
@@ -320,6 +326,24 @@ def packed_logprobs(
         return jnp.take_along_axis(x_BL1, unpack, axis=1).reshape(n, t)
 
     return to_rows(stats[0]), to_rows(stats[1])
+
+
+def _band_width(t: int, width: int) -> int:
+    """The `layers.BandedMask` width for packed rows of ``width`` columns holding completions
+    of at most ``t`` tokens: the power of two >= t, or 0 (the dense mask) when the row is at
+    most two such blocks, where banding saves nothing."""
+    band = 1 << max(t - 1, 0).bit_length()
+    return band if width > 2 * band else 0
+
+
+def _dense_packed_mask(seg_BL: Array, slots_BS: Array) -> Array:
+    """bool [B, L, S + L]: every query attends the prompt's real slots, then the earlier
+    columns of its own segment (``seg_BL``, -1 = padding) and itself."""
+    b, width = seg_BL.shape
+    causal_LL = jnp.tril(jnp.ones((width, width), jnp.bool_))
+    own_BLL = (seg_BL[:, :, None] == seg_BL[:, None, :]) & causal_LL[None] & (seg_BL >= 0)[:, None]
+    prompt_BLS = jnp.broadcast_to(slots_BS[:, None, :], (b, width, slots_BS.shape[1]))
+    return jnp.concatenate([prompt_BLS, own_BLL], axis=2)
 
 
 def _prompt_pass(model: Any, prompt_ids_BP: Array, prompt_mask_BP: Array, shared_1C=None):

@@ -20,9 +20,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgrpo import sharding
-from jaxgrpo.sharding import shard_act
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
 from jaxgrpo.sampling.loop import ROW_FIELDS, Knobs, LoopConfig, SamplingState, decode, prefill
+from jaxgrpo.sharding import shard_act
 from jaxgrpo.types import Array, PyTree
 
 

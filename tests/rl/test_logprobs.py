@@ -136,8 +136,29 @@ def test_head_vjp_equals_autodiff(keep, monkeypatch):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_shared_prefix_values_equal_plain_forward(packed):
+# Packed scoring, with the dense segment mask or banded by blocks of 6 columns (the rows of
+# 16 columns pad to 3 blocks; completions are at most T = 6 tokens long).
+PACKINGS = pytest.mark.parametrize(
+    "packed", [False, True, 6], ids=["padded", "packed", "packed-banded"]
+)
+
+
+@pytest.fixture
+def band(monkeypatch, packed):
+    """Forces `packed`'s band width (6) on the packed scoring, else the dense mask."""
+    width = packed if packed is not True else 0
+    monkeypatch.setattr(lp, "_band_width", lambda t, columns: width if packed else 0)
+
+
+def test_band_width_rule():
+    """Blocks of the power of two >= T, only when the packed row holds more than two."""
+    assert lp._band_width(512, 4096) == 512 and lp._band_width(500, 4000) == 512
+    assert lp._band_width(6, 16) == 0 and lp._band_width(32, 64) == 0
+    assert lp._band_width(32, 128) == 32
+
+
+@PACKINGS
+def test_shared_prefix_values_equal_plain_forward(packed, band):
     model = _model(lora=True)
     graphdef, params, rest = nnx.split(model, nnx.LoRAParam, nnx.Param)
     batch = _batch()
@@ -150,8 +171,8 @@ def test_shared_prefix_values_equal_plain_forward(packed):
     np.testing.assert_allclose(np.where(mask, ent, 0), np.where(mask, want_ent, 0), atol=ATOL)
 
 
-@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
-def test_shared_prefix_gradients_equal_unshared(packed):
+@PACKINGS
+def test_shared_prefix_gradients_equal_unshared(packed, band):
     """Gradients through the shared prompt cache equal those of G separate full passes.
 
     Taken w.r.t. every weight (`nnx.Param` includes `LoRAParam`), so both the LoRA case and
