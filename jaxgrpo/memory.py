@@ -19,8 +19,10 @@ The estimate is arithmetic on the model's shapes, with no model built:
 * activations of one micro-batch's update, kept for the backward pass (prefix-shared: the
   prompt once per group, the completions against its repeated cache): per token and layer the
   block's inputs, q/k/v, attention output, MLP hidden and SwiGLU product, plus float32 attention
-  scores; with ``remat`` only each block's input is kept, and one block is live at a time. The
-  logits are chunked over T (``rl/logprobs.py``, 64 positions), float32.
+  scores (packed completions attend in bands, ``rl.logprobs.band_width``); with ``remat`` only
+  each block's input is kept, and one block is live at a time. The logits are chunked over T
+  (``rl/logprobs.py``, 64 positions), float32. With fsdp > 1 the update also holds the
+  embedding, the LM head and two layers' weights gathered whole over fsdp.
 
 Parameters, optimizer state and cache are checked against real arrays by the tests; the
 activations are an order-of-magnitude figure (XLA fuses and reuses buffers), checked against
@@ -48,6 +50,7 @@ from jaxgrpo.presets import (
     find_architecture,
     get_preset,
 )
+from jaxgrpo.rl.logprobs import band_width
 from jaxgrpo.sharding import sampling_layout
 
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -182,9 +185,21 @@ def estimate(
     split = {"sample": 2.0 / mesh["tensor"], "sample_tp": 2.0 / shard, "train": 1.0 / shard}
     out["sample_weights"] = weights * split[layout]
     out["activations"] = _activations(cfg, run, rows_split, mesh["tensor"])
+    if mesh["fsdp"] > 1:  # the update gathers fsdp-sharded weights whole over fsdp
+        out["activations"] += _gathered_weights(cfg) * cb / mesh["tensor"]
     static = out["params"] + out["grads"] + out["opt_state"] + out["ref_params"]
     out["total"] = static + max(out["kv_cache"] + out["sample_weights"], out["activations"])
     return out
+
+
+def _gathered_weights(cfg: ModelConfig) -> float:
+    """Elements the update holds gathered over fsdp at once: the embedding and the LM head
+    (each [V, D]) and two layers' weights (the one running and the next, fetched ahead)."""
+    layers = base_param_count(cfg) - cfg.vocab_size * cfg.hidden_size * (
+        1 if cfg.tie_embeddings else 2
+    )
+    heads = 1 if cfg.tie_embeddings else 2
+    return heads * cfg.vocab_size * cfg.hidden_size + 2 * layers / cfg.num_layers
 
 
 def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) -> float:
@@ -206,11 +221,13 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
     per_token = (3 * d + 2 * n * h + 2 * k * h + 3 * f / tensor) * cb
     # float32 attention scores, probabilities and the backward's score gradient (one layer
     # live): prompt queries x prompt keys, completion queries x every key. Packed, a prompt's
-    # G completions are one row of G * T queries against P + G * T keys, a dense matrix that
-    # the segment mask mostly blanks (the compiled update's largest buffers).
-    own = (
-        prompts * run.group * t * (run.prompt_len + run.group * t) if run.packed else rows * t * seq
-    )
+    # G completions are one row of G * T queries against P + G * T keys, or against P + 2W
+    # in bands of W columns (`rl.logprobs.band_width`).
+    if run.packed:
+        band = band_width(t, run.group * t)
+        own = prompts * run.group * t * (run.prompt_len + (2 * band or run.group * t))
+    else:
+        own = rows * t * seq
     scores = 3 * 4.0 * n * (prompts * run.prompt_len**2 + own)
     cache = 2.0 * rows * seq * k * h * cb  # the repeated prompt cache, per layer
     layer = tokens * per_token + scores + cache

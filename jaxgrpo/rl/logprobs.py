@@ -299,7 +299,7 @@ def packed_logprobs(
 
     ids_BL, temps_BL = to_packed(tokens_RT), to_packed(temps_RT)
     seg_BL, pos_BL = packing.seg_BL, packing.pos_BL
-    band = _band_width(t, width)
+    band = band_width(t, width)
     if band:  # pad the row to whole blocks; the padding columns are cut off below
         extra = -width % band
         pad = lambda x, v=0: jnp.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
@@ -328,7 +328,7 @@ def packed_logprobs(
     return to_rows(stats[0]), to_rows(stats[1])
 
 
-def _band_width(t: int, width: int) -> int:
+def band_width(t: int, width: int) -> int:
     """The `layers.BandedMask` width for packed rows of ``width`` columns holding completions
     of at most ``t`` tokens: the power of two >= t, or 0 (the dense mask) when the row is at
     most two such blocks, where banding saves nothing."""

@@ -147,14 +147,14 @@ PACKINGS = pytest.mark.parametrize(
 def band(monkeypatch, packed):
     """Forces `packed`'s band width (6) on the packed scoring, else the dense mask."""
     width = packed if packed is not True else 0
-    monkeypatch.setattr(lp, "_band_width", lambda t, columns: width if packed else 0)
+    monkeypatch.setattr(lp, "band_width", lambda t, columns: width if packed else 0)
 
 
 def test_band_width_rule():
     """Blocks of the power of two >= T, only when the packed row holds more than two."""
-    assert lp._band_width(512, 4096) == 512 and lp._band_width(500, 4000) == 512
-    assert lp._band_width(6, 16) == 0 and lp._band_width(32, 64) == 0
-    assert lp._band_width(32, 128) == 32
+    assert lp.band_width(512, 4096) == 512 and lp.band_width(500, 4000) == 512
+    assert lp.band_width(6, 16) == 0 and lp.band_width(32, 64) == 0
+    assert lp.band_width(32, 128) == 32
 
 
 @PACKINGS
