@@ -68,6 +68,7 @@ CHIPS: dict[str, Chip] = {
     "cpu": Chip(2 * GIB, 1e11, 2e10, 1e10, "cpu"),
     "a100": Chip(80 * GIB, 312e12, 2039e9, 600e9, "NVIDIA A100-SXM4-80GB"),
     "h100": Chip(80 * GIB, 989e12, 3350e9, 900e9, "NVIDIA H100 80GB HBM3"),
+    "h200": Chip(141 * 10**9, 989e12, 4800e9, 900e9, "NVIDIA H200"),
 }
 
 
@@ -156,6 +157,7 @@ PRESETS: dict[str, Preset] = {
     },
     "a100-80g-8": _gpu("a100-80g-8", 8, "a100"),
     "h100-8": _gpu("h100-8", 8, "h100"),
+    "h200-1": _gpu("h200-1", 1, "h200"),
 }
 
 
