@@ -113,8 +113,8 @@ def main() -> None:
 
     peak = _preset(args.preset).specs.bf16_flops * devices
     tuning = f"LoRA r{args.lora_rank}" if args.lora_rank else "full"
-    print(f"\n{args.model} ({tuning}) on {args.preset}: {args.prompts} x {args.group} samples, ")
-    print(f"{args.new_tokens} new tokens")
+    shape = f"{args.prompts} x {args.group} samples, {args.new_tokens} new tokens"
+    print(f"\n{args.model} ({tuning}) on {args.preset}: {shape}")
     print("| phase | estimate s | measured s | measured / estimate |")
     print("|---|---:|---:|---:|")
     for phase in ("sampling", "update"):
