@@ -195,11 +195,8 @@ def estimate(
 def _gathered_weights(cfg: ModelConfig) -> float:
     """Elements the update holds gathered over fsdp at once: the embedding and the LM head
     (each [V, D]) and two layers' weights (the one running and the next, fetched ahead)."""
-    layers = base_param_count(cfg) - cfg.vocab_size * cfg.hidden_size * (
-        1 if cfg.tie_embeddings else 2
-    )
-    heads = 1 if cfg.tie_embeddings else 2
-    return heads * cfg.vocab_size * cfg.hidden_size + 2 * layers / cfg.num_layers
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    return embed + 2 * (base_param_count(cfg) - embed) / cfg.num_layers
 
 
 def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) -> float:

@@ -116,12 +116,8 @@ def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None, kv_heads: int) -
     if ctx is None or sharding.rules_name(ctx.rules) not in ("sample", "sample_tp"):
         return w
 
-    def axis(rule: str, size: int):
-        axes = tuple(a for a in sharding.rule_axes(ctx.rules, rule) if ctx.mesh.shape[a] > 1)
-        split = math.prod(ctx.mesh.shape[a] for a in axes)
-        if not axes or size % split:
-            return None
-        return axes[0] if len(axes) == 1 else axes
+    def axis(rule: str, size: int):  # the rule's mesh axes, or None where they do not divide
+        return sharding.logical_to_spec((rule,), ctx.rules, (size,), ctx.mesh)[0]
 
     heads, mlp = axis("heads", kv_heads), axis("mlp", w.down.shape[1])
     specs = dict(
