@@ -254,6 +254,26 @@ def plot_quantities(runs: dict[str, dict[int, dict]], out_dir: str) -> list[str]
     return written
 
 
+def plot_metric(runs: dict[str, dict[int, dict]], key: str, path: str, title: str) -> str:
+    """Writes one metric of every run overlaid (points joined by lines) to ``path``; a run
+    without the metric is left out of the picture. Returns ``path``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for (name, rows), colour in zip(runs.items(), run_colours(plt, len(runs)), strict=True):
+        _, steps, values = series(rows, (key,))
+        if steps.size:
+            ax.plot(steps, values, "-o", color=colour, label=name, markersize=4)
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def plot_runs(run_dirs: Sequence[str], out_dir: str) -> list[str]:
     """Writes ``dashboard.png`` and the per-quantity PNGs of ``run_dirs``; returns their paths
     (the dashboard first)."""

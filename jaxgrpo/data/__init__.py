@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxgrpo.data.arithmetic import ArithmeticTask
 from jaxgrpo.data.base import (
     ANSWER_TAG_INSTRUCTION,
     R1_SYSTEM_PROMPT,
@@ -31,6 +32,7 @@ TASKS: dict[str, type] = {
     cls.name: cls
     for cls in (
         FormatCopyTask,
+        ArithmeticTask,
         GSM8KTask,
         GSM8KTracesTask,
         MathTask,

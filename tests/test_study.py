@@ -1,0 +1,81 @@
+"""``python -m jaxgrpo.study``: arms trained and evaluated end to end on the tiny config, the
+table equal to the evaluation files, and a bad arm override refused before any training."""
+
+import json
+import os
+import re
+
+import pytest
+
+from jaxgrpo import study as study_lib
+from jaxgrpo.errors import UserError
+
+STUDY = """
+from jaxgrpo.study import Arm, Study
+
+
+def get_study():
+    return Study(
+        name="two_arms",
+        base="tiny",
+        overrides={"steps": 2, "checkpoint.every": 1, "eval.num_samples": 2}
+        if {BAD_EVAL} else {"steps": 2, "checkpoint.every": 1},
+        evaluate_base=False,
+        arms=[
+            Arm("grpo", {"rl.loss_type": "grpo"}, note="GRPO"),
+            Arm("dr_grpo", {"rl.loss_type": "dr_grpo", {BAD_KEY}: 0.0}),
+        ],
+    )
+"""
+
+
+def _write(tmp_path, bad_key="'rl.beta'", bad_eval=False):
+    path = tmp_path / "study.py"
+    text = STUDY.replace("{BAD_KEY}", bad_key).replace("{BAD_EVAL}", str(bad_eval))
+    path.write_text(text)
+    return str(path)
+
+
+def test_bad_arm_override_names_arm_and_key_before_training(tmp_path):
+    study = study_lib.load_study(_write(tmp_path, bad_key="'rl.betaa'"))
+    with pytest.raises(UserError, match=r"arm 'dr_grpo'.*rl\.betaa"):
+        study_lib.run_study(study, str(tmp_path / "out"), say=lambda *_: None)
+    assert not (tmp_path / "out" / "arms").exists()  # nothing trained
+
+
+def test_arm_may_not_change_the_protocol(tmp_path):
+    with pytest.raises(UserError, match=r"eval\.num_samples"):
+        study_lib.load_study(_write(tmp_path, bad_eval=True))
+
+
+def test_only_names_unknown_arm(tmp_path):
+    study = study_lib.load_study(_write(tmp_path))
+    with pytest.raises(UserError, match=r"unknown arm\(s\) \['nope'\]"):
+        study_lib.select(study, "grpo,nope")
+
+
+@pytest.mark.slow
+def test_two_arm_study_end_to_end_then_resume_skips_finished(tmp_path):
+    path, out = _write(tmp_path), str(tmp_path / "out")
+    lines: list[str] = []
+    study_lib.main(["--config", path, "--out", out, "--only", "grpo"])
+    grpo_metrics = open(os.path.join(out, "arms", "grpo", "metrics.jsonl")).read()
+    results = study_lib.run_study(study_lib.load_study(path), out, say=lines.append)
+    assert any("grpo: already trained (2 steps), skipped" in line for line in lines)
+    assert open(os.path.join(out, "arms", "grpo", "metrics.jsonl")).read() == grpo_metrics
+    assert sorted(os.listdir(os.path.join(out, "arms"))) == ["dr_grpo", "grpo"]
+    table = open(os.path.join(out, "results.md")).read()
+    rows = [r for r in table.splitlines() if re.match(r"\| (grpo|dr_grpo) \|", r)]
+    assert len(rows) == 2
+    for row in rows:
+        label = row.split("|")[1].strip()
+        saved = json.load(open(os.path.join(out, "arms", label, "eval_test.json")))
+        summary = next(iter(saved["runs"][label]["tasks"].values()))["summary"]
+        cells = [c.strip() for c in row.split("|")[2:-1]]
+        assert cells[0] == f"{100 * summary['strict_accuracy']:.1f}"
+        assert cells[1] == f"{100 * summary['lenient_accuracy']:.1f}"
+        assert cells[2] == f"{100 * summary['format_rate']:.1f}"
+        assert cells[3] == f"{100 * summary['pass@' + str(summary['num_samples'])]:.1f}"
+        same = json.dumps(results["arms"][label]["summary"], sort_keys=True)
+        assert same == json.dumps(summary, sort_keys=True)  # NaN lengths compare as text
+    assert os.path.exists(os.path.join(out, "plots", "heldout_accuracy.png"))
