@@ -79,3 +79,11 @@ def test_two_arm_study_end_to_end_then_resume_skips_finished(tmp_path):
         same = json.dumps(results["arms"][label]["summary"], sort_keys=True)
         assert same == json.dumps(summary, sort_keys=True)  # NaN lengths compare as text
     assert os.path.exists(os.path.join(out, "plots", "heldout_accuracy.png"))
+
+
+@pytest.mark.parametrize("name", ["reward_structure_mini", "format_copy_algorithms"])
+def test_shipped_studies_validate_every_arm(name, tmp_path):
+    study = study_lib.load_study(name)
+    configs = study_lib.arm_configs(study, str(tmp_path))
+    assert list(configs) == [a.label for a in study.arms]
+    assert len({c.steps for c in configs.values()}) == 1  # same budget for every arm
