@@ -14,7 +14,7 @@ import dataclasses
 import importlib.util
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from etils import epath
@@ -333,6 +333,16 @@ def config_override(text: str) -> tuple[str, Any]:
     """``--config.a.b=v`` -> ("a.b", v) with v a Python literal when it parses as one."""
     key, _, value = text.removeprefix("--config.").partition("=")
     return key, _literal(value)
+
+
+def parse_known_overrides(parser: Any, argv: Sequence[str]) -> tuple[Any, list[tuple[str, Any]]]:
+    """``parser``'s arguments and the ``--config.KEY=VALUE`` pairs after them, in order; any
+    other unknown argument is a usage error (``parser.error``)."""
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    return args, [config_override(a) for a in rest]
 
 
 def run_config(

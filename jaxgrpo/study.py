@@ -40,7 +40,6 @@ from jaxgrpo.errors import UserError, one_line_errors
 
 STUDIES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "studies")
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
-_FORBIDDEN = ("run_dir", "eval.")  # keys an arm may not override (the study owns them)
 ARM_STATE = "study_arm.json"  # per arm: training wall time, summed over sessions
 
 
@@ -121,7 +120,7 @@ def load_study(name: str) -> Study:
             raise UserError(f"{path}: arm label {arm.label!r} appears twice")
         seen.add(arm.label)
         for key in list(study.overrides) + list(arm.overrides):
-            if key == _FORBIDDEN[0] or key.startswith(_FORBIDDEN[1]):
+            if key == "run_dir" or key.startswith("eval."):  # the study owns these
                 raise UserError(
                     f"arm {arm.label!r}: config key {key!r} may not be overridden in a study "
                     "(the study sets run_dir, and every arm is evaluated under the base config's "
@@ -453,11 +452,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", help="output directory (default runs/studies/<name>)")
     p.add_argument("--only", help="comma-separated arm labels to run (default: all)")
     p.add_argument("--base", help="config replacing the study's base config (e.g. gsm8k_hard)")
-    args, rest = p.parse_known_args(argv)
-    bad = [a for a in rest if not a.startswith("--config.")]
-    if bad:
-        p.error(f"unrecognized arguments: {' '.join(bad)}")
-    args.overrides = dict(config_lib.config_override(a) for a in rest)
+    args, overrides = config_lib.parse_known_overrides(p, argv)
+    args.overrides = dict(overrides)
     return args
 
 

@@ -199,11 +199,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--judge", help="judge model source, yes/no per completion (eval.judge_source)")
     p.add_argument("--judge_prompt", help="{question} {reference} {completion} (eval.judge_prompt)")
     p.add_argument("--out", help="JSON output (default RUN_DIR/eval_SPLIT.json or eval.json)")
-    args, rest = p.parse_known_args(argv)
-    bad = [a for a in rest if not a.startswith("--config.")]
-    if bad:
-        p.error(f"unrecognized arguments: {' '.join(bad)}")
-    args.overrides = [config_lib.config_override(a) for a in rest]
+    args, args.overrides = config_lib.parse_known_overrides(p, argv)
     flags = [(f"eval.{key}", getattr(args, flag)) for flag, key in EVAL_FLAGS.items()]
     args.overrides += [(k, v) for k, v in flags if v is not None]
     return args
