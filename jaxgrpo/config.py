@@ -140,6 +140,7 @@ class OptimConfig:
     weight_decay: float
     b1: float
     b2: float
+    eps: float
     max_grad_norm: float
 
 

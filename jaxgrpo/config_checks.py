@@ -295,6 +295,7 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     _require(o.weight_decay >= 0, "optim.weight_decay", "must be >= 0", o.weight_decay)
     _require(0 <= o.b1 < 1, "optim.b1", "must be in [0, 1)", o.b1)
     _require(0 <= o.b2 < 1, "optim.b2", "must be in [0, 1)", o.b2)
+    _require(o.eps > 0, "optim.eps", "must be > 0", o.eps)
     _require(o.max_grad_norm >= 0, "optim.max_grad_norm", "must be >= 0", o.max_grad_norm)
     check_mesh(cfg, num_devices)
     _require(cfg.checkpoint.every >= 0, "checkpoint.every", "must be >= 0", cfg.checkpoint.every)

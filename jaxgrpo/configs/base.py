@@ -116,6 +116,7 @@ def _optim() -> ConfigDict:
     c.weight_decay = 0.0  # AdamW decoupled weight decay
     c.b1 = 0.9  # Adam first-moment decay
     c.b2 = 0.999  # Adam second-moment decay
+    c.eps = 1e-8  # Adam epsilon, added to the root of the second moment (TRL: adam_epsilon)
     c.max_grad_norm = 1.0  # global-norm gradient clipping; 0 = off
     return c
 

@@ -88,7 +88,7 @@ def make_optimizer(
 
     Args:
         optim_cfg: the config's `optim` section (lr, warmup_steps, schedule, weight_decay, b1,
-            b2, max_grad_norm; max_grad_norm <= 0 disables clipping).
+            b2, eps, max_grad_norm; max_grad_norm <= 0 disables clipping).
         total_updates: optimizer updates in the whole run.
         updates_per_step: optimizer updates per training step.
 
@@ -100,6 +100,7 @@ def make_optimizer(
         schedule,
         b1=float(optim_cfg.b1),
         b2=float(optim_cfg.b2),
+        eps=float(optim_cfg.eps),
         weight_decay=float(optim_cfg.weight_decay),
     )
     if float(optim_cfg.max_grad_norm) > 0:
