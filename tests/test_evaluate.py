@@ -58,6 +58,23 @@ def test_flags_override_the_config_eval_section():
     assert cli.main(["--config", "tiny", "--num_samples", "0"]) == 2
 
 
+def test_held_out_set_is_the_runs_for_generated_tasks_and_the_split_for_data_sets():
+    """Without --max_examples a generated task scores the run's `task.num_eval` prompts (it
+    has no finite split: asking arithmetic for "all" used to draw forever); a data set, its
+    whole split."""
+    for config, n in (("format_copy", 64), ("arithmetic", 64)):
+        cfg, settings = settings_of(["--config", config])
+        assert cfg.task.num_eval == n
+        _, examples = cli.task_examples(cfg, None, None, settings)
+        assert len(examples) == n, config
+    _, five = settings_of(["--config", "arithmetic", "--max_examples", "5"])
+    assert cli.task_examples(cfg, None, None, five)[1] == examples[:5]
+    # The GSM8K fixture's test split has 2 rows; a run that evaluated 1 still gets both.
+    argv = ["--config", "gsm8k_hard", "--config.task.kwargs.source=fixture"]
+    cfg, settings = settings_of([*argv, "--config.task.num_eval=1"])
+    assert len(cli.task_examples(cfg, None, None, settings)[1]) == 2
+
+
 def test_run_config_round_trips_config_json(tmp_path):
     cfg = config_lib.load_config("gsm8k_curriculum", {"run_dir": str(tmp_path)})
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))

@@ -7,8 +7,10 @@ difficulty set by ``ops`` (arithmetic steps per problem) and ``max_number``. Eve
 carries ``answer`` and ``reference`` (the worked reasoning, which the embedding, BLEU and
 perplexity rewards compare against), like ``gsm8k`` examples.
 
-Problems are drawn from a few sentence templates with a seeded generator; the held-out set is a
-fixed draw with a private seed, and training draws reject any question in it.
+Problems are drawn from a few sentence templates with a seeded generator. The held-out set is
+the first ``num_eval`` of a fixed list of ``HELD_OUT`` problems drawn with a private seed, and
+training draws reject every question of that list, so a larger evaluation than the training
+run's (``jaxgrpo.evaluate --max_examples``) still holds out what it scores.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 from jaxgrpo.data.base import Example, build_messages, content_key
 
 _EVAL_SEED = 20_261_202  # Private seed of the held-out problems; never used for training.
+HELD_OUT = 1024  # Problems in the fixed held-out list (num_eval takes its first ones).
 _NAMES = ("Ava", "Ben", "Cara", "Dev", "Emma", "Finn", "Gia", "Hugo", "Ines", "Jack", "Lena")
 # The worked example; its name and item are in no drawn problem, so it never repeats one.
 _EXAMPLE = (
@@ -91,7 +94,7 @@ class ArithmeticTask:
 
     Attributes:
       num_train: examples per ``train_examples(seed)`` call.
-      num_eval: size of the fixed held-out set.
+      num_eval: held-out problems: the first ones of the fixed list (at most ``HELD_OUT``).
       ops: arithmetic facts per problem (1..4).
       max_number: largest number a problem states.
       template / system_prompt: see ``jaxgrpo.data.build_messages`` (default: the seed study's
@@ -117,6 +120,8 @@ class ArithmeticTask:
     def __post_init__(self):
         if not 1 <= self.ops <= 4:
             raise ValueError(f"arithmetic ops={self.ops} is not in 1..4")
+        if not 1 <= self.num_eval <= HELD_OUT:
+            raise ValueError(f"arithmetic num_eval={self.num_eval} is not in 1..{HELD_OUT}")
         if self.max_number < 3:
             raise ValueError(f"arithmetic max_number={self.max_number} is below 3")
 
@@ -149,15 +154,16 @@ class ArithmeticTask:
                 problems.append(problem)
         return problems
 
-    def _eval_problems(self) -> list[tuple]:
-        return self._draw(np.random.default_rng(_EVAL_SEED), self.num_eval, set())
+    def _held_out_problems(self) -> list[tuple]:
+        """The fixed list of ``HELD_OUT`` problems (for these ``ops`` and ``max_number``)."""
+        return self._draw(np.random.default_rng(_EVAL_SEED), HELD_OUT, set())
 
     def train_examples(self, seed: int = 0) -> list[Example]:
-        """``num_train`` distinct problems drawn by ``seed``, none of them a held-out question."""
-        held_out = {content_key(p[0]) for p in self._eval_problems()}
+        """``num_train`` distinct problems drawn by ``seed``, none of them in the held-out list."""
+        held_out = {content_key(p[0]) for p in self._held_out_problems()}
         problems = self._draw(np.random.default_rng([seed, 7]), self.num_train, held_out)
         return [self._example(*p) for p in problems]
 
     def eval_examples(self) -> list[Example]:
-        """The fixed held-out problems."""
-        return [self._example(*p) for p in self._eval_problems()]
+        """The first ``num_eval`` problems of the held-out list."""
+        return [self._example(*p) for p in self._held_out_problems()[: self.num_eval]]

@@ -48,6 +48,8 @@ from etils import epath
 
 from jaxgrpo import config as config_lib
 from jaxgrpo.build import build_mesh, build_task, load_policy, start_distributed
+from jaxgrpo.data import TASKS
+from jaxgrpo.data.base import RowTask
 from jaxgrpo.errors import UserError
 from jaxgrpo.eval import metrics
 from jaxgrpo.eval.completions import Settings, sample
@@ -71,10 +73,14 @@ def task_examples(cfg: Any, name: str | None, data: str | None, settings: Settin
     kwargs = {} if name and name != task_cfg.name else dict(task_cfg.kwargs)
     if data:
         kwargs["source"] = data
+    name = name or task_cfg.name
+    # A data set's held-out split is all its rows; a generated task's (format_copy, arithmetic)
+    # is the run's `task.num_eval` draws, the prompts it was evaluated on while training.
+    whole = 10**9 if issubclass(TASKS.get(name, RowTask), RowTask) else task_cfg.num_eval
     task_cfg = dataclasses.replace(
-        task_cfg, name=name or task_cfg.name, kwargs=kwargs, num_eval=settings.max_examples or 10**9
+        task_cfg, name=name, kwargs=kwargs, num_eval=settings.max_examples or whole
     )
-    if name and name != cfg.task.name:
+    if name != cfg.task.name:
         task_cfg = dataclasses.replace(task_cfg, prompt_template="", system_prompt="")
     task = build_task(task_cfg)
     examples = task.eval_examples() if settings.split == "test" else task.train_examples(cfg.seed)

@@ -1,10 +1,10 @@
 """The seed study's five reward structures and its two proposals, in miniature (configs/arithmetic).
 
 SmolLM2-135M-Instruct + LoRA on seeded two-step arithmetic word problems in GSM8K's format, the
-seed study's prompt with one worked example. Base model, measured before this study was written
-(``python -m jaxgrpo.evaluate --config arithmetic --base --max_examples 32``, 32 prompts x 4
-samples, 128 tokens, temperature 0.6, top-p 0.95): strict 25.0%, lenient 27.3%, format 89.8%,
-pass@4 53.1%; without the worked example strict 0%, lenient 10.9%, format 0%.
+seed study's prompt with one worked example. Base model on the 64 held-out problems
+(``python -m jaxgrpo.evaluate --config arithmetic --base``: 8 samples each, 128 tokens,
+temperature 0.6, top-p 0.95): strict 22.7%, lenient 23.6%, format 89.6%, pass@8 54.7%. Without
+the worked example (32 prompts x 4 samples) it scored strict 0%, lenient 10.9%, format 0%.
 
 Every arm has the same steps, seed and prompts; only rewards or the temperature schedule differ.
 ``--base gsm8k_hard`` runs the same arms at TPU scale (the curriculum scales with ``steps``).

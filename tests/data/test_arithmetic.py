@@ -23,6 +23,10 @@ def test_answers_equal_the_last_step_of_the_reasoning_and_sets_are_disjoint():
         assert int(ex["answer"]) >= 0
     assert task.train_examples(0) == train and task.train_examples(1) != train
     assert get_task("arithmetic", num_eval=40, ops=3, max_number=15).eval_examples() == held_out
+    # A larger held-out set starts with the smaller one and is still disjoint from training.
+    larger = get_task("arithmetic", num_eval=200, ops=3, max_number=15).eval_examples()
+    assert larger[:40] == held_out
+    assert not {prompt_key(e) for e in train} & {prompt_key(e) for e in larger}
 
 
 def test_worked_example_is_a_previous_turn_with_the_tag():
@@ -35,3 +39,5 @@ def test_worked_example_is_a_previous_turn_with_the_tag():
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="ops=5"):
         get_task("arithmetic", ops=5)
+    with pytest.raises(ValueError, match="num_eval=2000"):
+        get_task("arithmetic", num_eval=2000)
