@@ -471,4 +471,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run the imported module's main: study files build `jaxgrpo.study.Study`s, which a main in
+    # this `__main__` copy of the module would not recognise as its own class.
+    from jaxgrpo import study
+
+    sys.exit(study.main())

@@ -4,6 +4,8 @@ table equal to the evaluation files, and a bad arm override refused before any t
 import json
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -41,6 +43,20 @@ def test_bad_arm_override_names_arm_and_key_before_training(tmp_path):
     with pytest.raises(UserError, match=r"arm 'dr_grpo'.*rl\.betaa"):
         study_lib.run_study(study, str(tmp_path / "out"), say=lambda *_: None)
     assert not (tmp_path / "out" / "arms").exists()  # nothing trained
+
+
+def test_cli_names_a_bad_arm_override_in_one_line(tmp_path):
+    """`python -m jaxgrpo.study` from another directory: the study file's `Study` is accepted
+    (the module run as __main__ once rejected it as "Study, not a Study") and a bad override
+    fails in one line naming the arm and the key, with nothing trained."""
+    path, out = _write(tmp_path, bad_key="'rl.betaa'"), tmp_path / "out"
+    cmd = [sys.executable, "-m", "jaxgrpo.study", "--config", path, "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.lower().startswith("error")]
+    assert len(errors) == 1, proc.stderr
+    assert "arm 'dr_grpo'" in errors[0] and "rl.betaa" in errors[0], proc.stderr
+    assert "Traceback" not in proc.stderr and not (out / "arms").exists()
 
 
 def test_arm_may_not_change_the_protocol(tmp_path):
