@@ -3,12 +3,15 @@
 Same weights and workload on both sides: 4 chat prompts x 8 samples = 32 sequences, 128 new
 tokens, float32, temperature 1.0 with no truncation (HF's default top_k=50 switched off), no
 early stop (no stop tokens on our side, ``min_new_tokens`` on HF's). One warm-up call, then the
-median of ``--repeats`` timed calls. A decode step's time is (full call - prefill-only call) /
-(T - 1), compared with the machine's floor for that step: the larger of weight bytes / measured
-copy bandwidth and 2 * params * batch / measured matmul rate.
+median of ``--repeats`` timed calls of each length. A decode step's time is (full call -
+prefill-only call) / (T - 1), compared with the machine's floor for that step: the larger of
+weight bytes / measured copy bandwidth and 2 * params * batch / measured matmul rate. The step
+at position p (``--positions``) is (call of p tokens - call of p - 16) / 16: it shows whether a
+step's cost grows with the tokens written so far or is set by ``--new-tokens``.
 
     python benchmarks/generate.py                        # SmolLM2-135M-Instruct (GGUF, both)
     python benchmarks/generate.py --model qwen2.5-0.5b   # random weights at Qwen2.5-0.5B shape
+    python benchmarks/generate.py --new-tokens 512 --repeats 1   # the seed study's length
 
 Not a test: it takes minutes, and other processes on the machine make the figures noisy.
 """
@@ -106,10 +109,29 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def run_ours(model, ids, mask, g: int, t: int, repeats: int) -> tuple[float, float]:
-    """(median seconds of a full call, median seconds of a prefill-only call)."""
+WINDOW = 16  # tokens between the two calls that time a position
 
-    def call(max_lengths=None, seed=0):
+
+def call_lengths(t: int, positions: list[int]) -> list[int]:
+    """The completion lengths to time: 1 (the prefill), each position p and p - WINDOW, and T."""
+    wanted = {1, t} | set(positions) | {max(p - WINDOW, 1) for p in positions}
+    return sorted(x for x in wanted if 1 <= x <= t)
+
+
+def per_token_ms(seconds: dict[int, float], positions: list[int]) -> dict[int, float]:
+    """Milliseconds per decode step at position p: (time to p - time to p - WINDOW) / WINDOW."""
+    out = {}
+    for p in positions:
+        lo = max(p - WINDOW, 1)
+        if p in seconds and p > lo:
+            out[p] = (seconds[p] - seconds[lo]) / (p - lo) * 1e3
+    return out
+
+
+def run_ours(model, ids, mask, g: int, t: int, repeats: int, lengths: list[int]) -> dict:
+    """Median seconds of calls that stop every row after each of ``lengths`` tokens."""
+
+    def call(length, seed=0):
         out = generate(
             model,
             ids,
@@ -119,23 +141,23 @@ def run_ours(model, ids, mask, g: int, t: int, repeats: int) -> tuple[float, flo
             temperature=1.0,
             num_samples=g,
             eos_ids=(),
-            max_lengths=max_lengths,
+            max_lengths=length,
+            compact_rows=0,  # every row stops at once: one program pair for every length
         )
         out.tokens.block_until_ready()
+        assert int(out.lengths.min()) == length, "every row must run `length` tokens"
         return out
 
-    # Per-row lengths are traced: a length-1 call compiles the same two programs, without
-    # paying a whole 128-token warm-up, and times the prefill.
-    call(max_lengths=1)
-    prefill = statistics.median(_timed(lambda: call(max_lengths=1)) for _ in range(repeats))
-    outs = []
-    full = statistics.median(_timed(lambda i=i: outs.append(call(seed=i))) for i in range(repeats))
-    assert int(outs[-1].lengths.min()) == t, "every row must run all T tokens"
-    return full, prefill
+    # Per-row lengths are traced: a length-1 call compiles the programs every length uses.
+    call(1)
+    return {
+        n: statistics.median(_timed(lambda i=i, n=n: call(n, seed=i)) for i in range(repeats))
+        for n in lengths
+    }
 
 
-def run_hf(hf, ids, mask, g: int, t: int, repeats: int) -> tuple[float, float]:
-    """(median seconds of a full call, median seconds of a one-token call)."""
+def run_hf(hf, ids, mask, g: int, t: int, repeats: int, lengths: list[int]) -> dict:
+    """Median seconds of ``generate`` calls of each of ``lengths`` new tokens."""
     ids_t, mask_t = torch.from_numpy(ids.astype(np.int64)), torch.from_numpy(mask.astype(np.int64))
 
     def call(new):
@@ -154,9 +176,9 @@ def run_hf(hf, ids, mask, g: int, t: int, repeats: int) -> tuple[float, float]:
             )
 
     call(4)
-    prefill = statistics.median(_timed(lambda: call(1)) for _ in range(repeats))
-    full = statistics.median(_timed(lambda: call(t)) for _ in range(repeats))
-    return full, prefill
+    return {
+        n: statistics.median(_timed(lambda n=n: call(n)) for _ in range(repeats)) for n in lengths
+    }
 
 
 def main():
@@ -167,6 +189,12 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true", help="time jaxgrpo only")
+    parser.add_argument(
+        "--positions",
+        type=lambda x: [int(p) for p in x.split(",")],
+        default=[32, 128, 256, 512],
+        help="decode positions to time one step at (those <= --new-tokens)",
+    )
     args = parser.parse_args()
     g, t = args.samples, args.new_tokens
 
@@ -189,18 +217,25 @@ def main():
         f", compute {floor['compute_floor_ms']:.1f})"
     )
 
-    print(f"{'':14}{'tokens/s':>10}{'call s':>9}{'prefill s':>11}{'step ms':>9}{'x floor':>9}")
-    sides = [("jaxgrpo", lambda: run_ours(model, ids, mask, g, t, args.repeats))]
+    positions = [p for p in args.positions if p <= t]
+    lengths = call_lengths(t, positions)
+    head = "".join(f"{f'ms @{p}':>10}" for p in positions)
+    print(
+        f"{'':14}{'tokens/s':>10}{'call s':>9}{'prefill s':>11}{'step ms':>9}{'x floor':>9}{head}"
+    )
+    sides = [("jaxgrpo", lambda: run_ours(model, ids, mask, g, t, args.repeats, lengths))]
     if not args.skip_hf:
-        sides.append(("transformers", lambda: run_hf(hf, ids, mask, g, t, args.repeats)))
+        sides.append(("transformers", lambda: run_hf(hf, ids, mask, g, t, args.repeats, lengths)))
     rates = []
     for name, run in sides:  # each row is printed as soon as it is measured
-        full, prefill = run()
+        seconds = run()
+        full, prefill = seconds[t], seconds[1]
         step_ms = (full - prefill) / (t - 1) * 1e3
         rates.append(n * t / full)
+        at = per_token_ms(seconds, positions)
         print(
             f"{name:14}{rates[-1]:10.1f}{full:9.2f}{prefill:11.2f}{step_ms:9.1f}"
-            f"{step_ms / floor['floor_ms']:9.2f}",
+            f"{step_ms / floor['floor_ms']:9.2f}" + "".join(f"{at[p]:10.1f}" for p in positions),
             flush=True,
         )
     if len(rates) == 2:

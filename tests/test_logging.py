@@ -68,6 +68,9 @@ def test_progress_text_and_dead_run_warnings(capsys):
         }
     )
     assert text == "reward=0.500 acc=0.25 kl=0.0010 s=3.5 (sample 2.0|update 1.5)"
+    times = {"time/sampling": 2.0, "time/reference": 0.5, "time/update": 1.0}
+    text = jlog.ProgressBar.describe(times)
+    assert text == "s=3.5 (sample 2.0|ref 0.5|update 1.0)"
     bar = jlog.ProgressBar(total=3, enabled=False)
     bar.update(1, {})  # disabled bars accept updates
     bar.close()

@@ -200,6 +200,26 @@ class LayerKVCache:
             next_pos=jnp.repeat(self.next_pos, group, axis=0),
         )
 
+    def grow(self, size: int) -> LayerKVCache:
+        """The completion part with ``size`` slots: the written ones, then empty ones."""
+        extra = size - self.mask.shape[1]
+        if extra < 0:
+            raise ValueError(f"cannot grow a {self.mask.shape[1]}-slot cache to {size} slots")
+
+        def pad(slot_axis):  # k: slots last; v: slots before the head dimension
+            def fn(x, _):
+                widths = [(0, 0)] * x.ndim
+                widths[x.ndim + slot_axis] = (0, extra)
+                return jnp.pad(x, widths)
+
+            return fn
+
+        return self.replace(
+            k=self._each(self.k, pad(-1)),
+            v=self._each(self.v, pad(-2)),
+            mask=jnp.pad(self.mask, ((0, 0), (0, extra))),
+        )
+
     def take(self, rows: Array) -> LayerKVCache:
         """Rows `rows` [M] only, each with its own copy of its prompt's keys and values.
 

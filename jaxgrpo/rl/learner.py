@@ -249,8 +249,8 @@ class Learner:
         next_step, next_rng, k_sample, k_shuffle = self._advance(state.step, state.rng)
         timer = step_metrics.Timer()
         rollout, draws = self._collect(state, list(examples), k_sample, step, draw, timer)
+        batch, extra = self._prepare(state, rollout, timer)
         with timer("update"):
-            batch, extra = self._prepare(state, rollout)
             state, update_metrics = self._optimize(state, batch, k_shuffle)
         state = state.replace(step=next_step, rng=next_rng)
         metrics = step_metrics.step_metrics(rollout, extra, update_metrics, timer.seconds)
@@ -362,8 +362,22 @@ class Learner:
         order = np.concatenate([np.flatnonzero(~zero), np.flatnonzero(zero)])[:b]
         return merged.select_groups(np.sort(order)), len(rounds)
 
-    def _prepare(self, state: TrainState, r: ro.Rollout) -> tuple[ro.RolloutBatch, dict]:
-        """Reference/old log-probs, KL-in-reward, advantages, loss mask -> the device batch."""
+    def _prepare(
+        self, state: TrainState, r: ro.Rollout, timer: step_metrics.Timer | None = None
+    ) -> tuple[ro.RolloutBatch, dict]:
+        """Reference/old log-probs, KL-in-reward, advantages, loss mask -> the device batch.
+
+        The scoring passes count as the "reference" phase of ``timer``, the rest as "update"."""
+        timer = timer or step_metrics.Timer()
+        with timer("update"):
+            inputs, packing, shared, t = self._batch_inputs(r)
+        with timer("reference"):
+            logps = self._scoring_passes(state, r, inputs, packing, shared, t)
+        with timer("update"):
+            return self._finish_batch(r, inputs, packing, shared, t, *logps)
+
+    def _batch_inputs(self, r: ro.Rollout) -> tuple:
+        """(device inputs, packing, shared prefix, width T) of the scoring passes and update."""
         put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
         packing = None
         if self.rl.pack_completions:
@@ -375,9 +389,6 @@ class Learner:
             packing = jax.tree.map(put, packing)
         else:
             t = ro.completion_bucket(r.lengths, r.tokens.shape[1], self.buckets)
-        truncated = r.stop_reason == step_metrics.LENGTH
-        loss_mask = r.mask * (~truncated[:, None]) if self.rl.mask_truncated else r.mask
-        loss_mask = loss_mask[:, :t]
         tokens, mask, temps = r.tokens[:, :t], r.mask[:, :t], r.temps[:, :t]
         shared, prompt_ids, prompt_mask = np.zeros((1, 0), np.int32), r.prompt_ids, r.prompt_mask
         if self.rl.share_prompt_prefix:
@@ -386,15 +397,29 @@ class Learner:
             )
         shared = self._replicate(shared, np.int32)
         inputs = (put(prompt_ids), put(prompt_mask), put(tokens), put(mask), put(temps))
-        zeros = np.zeros(tokens.shape, np.float32)
+        return inputs, packing, shared, t
+
+    def _scoring_passes(self, state: TrainState, r: ro.Rollout, inputs, packing, shared, t):
+        """(sampler, old-policy, reference) log-probs [R, T], waited for, so that the phase
+        timer counts their compute and not only their dispatch."""
+        put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
         sampler_logp = put(r.logprobs[:, :t].astype(np.float32))
-        ref_logp = old_logp = put(zeros)
+        ref_logp = old_logp = put(np.zeros(inputs[2].shape, np.float32))
         if self.needs_ref:
             ref_logp = self._logprobs(state.ref_params, self.frozen, *inputs, packing, shared)[0]
         if self.old_from == "forward":
             old_logp = self._logprobs(state.params, self.frozen, *inputs, packing, shared)[0]
         elif self.old_from == "sampler":
             old_logp = sampler_logp
+        return jax.block_until_ready((sampler_logp, old_logp, ref_logp))
+
+    def _finish_batch(self, r, inputs, packing, shared, t, sampler_logp, old_logp, ref_logp):
+        """KL-in-reward, advantages and the loss mask -> (the device batch, host extras)."""
+        put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
+        mask = r.mask[:, :t]
+        truncated = r.stop_reason == step_metrics.LENGTH
+        loss_mask = r.mask * (~truncated[:, None]) if self.rl.mask_truncated else r.mask
+        loss_mask = loss_mask[:, :t]
         rewards = r.rewards
         extra: dict[str, Any] = {}
         if self.needs_ref and self.rl.kl_in_reward:

@@ -2,7 +2,8 @@
 
 Key names (the logger's progress bar and dead-run check read the first group):
 
-    reward/mean, reward/std, kl/mean, completion/truncated_frac, time/{sampling,rewards,update}
+    reward/mean, reward/std, kl/mean, completion/truncated_frac,
+    time/{sampling,rewards,reference,update}   seconds per phase (reference: the scoring passes)
     reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
     reward/<fn>/failed_frac     fraction of samples the function could not score (raised/None)
     strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.eval.accuracy, when the task has
@@ -43,7 +44,7 @@ class Timer:
     """Accumulates wall time per phase (`with timer("sampling"): ...`) and generated tokens."""
 
     def __init__(self):
-        self.seconds: dict[str, float] = {"sampling": 0.0, "rewards": 0.0, "update": 0.0}
+        self.seconds = {"sampling": 0.0, "rewards": 0.0, "reference": 0.0, "update": 0.0}
         self.tokens = 0
 
     @contextlib.contextmanager

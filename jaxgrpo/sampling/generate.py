@@ -3,8 +3,9 @@
 Two programs are compiled per shape bucket (B, P, T) and static settings: ``prefill`` (the
 prompts once through the scanned layers, their cache split per layer and kept once per prompt as
 the shared prompt part of a ``LayerKVCache``, token 0)
-and ``decode`` (the per-layer decode weights prepared once, then the ``while_loop``, its state
-donated so the cache is updated in place). Both take the model state as a pure pytree; the
+and ``decode`` (the per-layer decode weights prepared once, then the ``while_loop``s: one per
+completion-cache size, the cache grown between them, then one per compaction level; the state
+is updated in place). Both take the model state as a pure pytree; the
 ``graphdef`` is closed over (never passed as data) and the jitted pair is cached per
 (graphdef, model config, static settings), so a second call with the same shapes compiles
 nothing, whatever the temperature, top-p or min-p.
@@ -148,7 +149,8 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
     """Jitted (prefill, decode) pair for one model structure and static loop settings.
 
     ``prefill(states, ids_BP, mask_BP, knobs, rng) -> SamplingState`` and
-    ``decode(states, state, knobs) -> SamplingState`` (``state`` donated); public so that
+    ``decode(states, state, knobs) -> SamplingState`` (``state`` donated unless the cache
+    grows); public so that
     benchmarks can time the two programs separately.
     """
 
@@ -156,7 +158,7 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
         batch, prompt_len = ids_BP.shape
         ctx = nnx.merge(graphdef, *states).shard_ctx
         cache = init_cache(model_cfg, batch, prompt_len, cache_dtype).constrain(ctx)
-        step_fn = _prefill_step_fn(graphdef, cfg.max_new_tokens)
+        step_fn = _prefill_step_fn(graphdef, cfg.first_cache_size)
         state = prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
         return state.replace(cache=state.cache.constrain(ctx))
 
@@ -165,7 +167,10 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
         state = _rows_to(state, model.shard_ctx)
         return decode(_decode_step_fn(model), None, state, knobs, cfg)
 
-    return jax.jit(prefill_fn), jax.jit(decode_fn, donate_argnums=1)
+    # The loop updates the donated cache in place; a growing cache is new buffers at every
+    # size, so donating its first, smallest one would save nothing (and XLA would warn).
+    donate = () if cfg.cache_sizes else (1,)
+    return jax.jit(prefill_fn), jax.jit(decode_fn, donate_argnums=donate)
 
 
 def compiled_programs() -> int:
@@ -229,6 +234,23 @@ def auto_compact_rows(
     return tuple(m for m in levels if 0 < m < n and m % devices == 0)
 
 
+CACHE_STEP = 128  # completion-cache sizes of the decode loop: multiples of this
+
+
+def auto_cache_sizes(max_new_tokens: int) -> tuple[int, ...]:
+    """The default ``cache_sizes``: multiples of ``CACHE_STEP`` up to T, then T.
+
+    A decode step reads the completion cache's every slot, so a cache of T slots makes the
+    first tokens as slow as the last; growing it by ``CACHE_STEP`` keeps each step's
+    attention within ``CACHE_STEP`` slots of what has been written (at T = 512: 62.5% of the
+    slots read with one size). Each size compiles another copy of the first decode loop, so
+    completions of at most ``CACHE_STEP`` tokens keep one size.
+    """
+    if max_new_tokens <= CACHE_STEP:
+        return ()
+    return tuple(range(CACHE_STEP, max_new_tokens, CACHE_STEP)) + (max_new_tokens,)
+
+
 def _compact_levels(compact_rows: int | Sequence[int]) -> tuple[int, ...]:
     levels = tuple(compact_rows) if isinstance(compact_rows, Sequence) else (compact_rows,)
     levels = tuple(int(m) for m in levels if m)
@@ -262,6 +284,7 @@ def sampler_programs(
     pad_id: int = 0,
     cache_dtype: str | None = None,
     compact_rows: int | Sequence[int] | None = None,
+    cache_sizes: Sequence[int] | None = None,
 ) -> tuple[Callable, Callable, Knobs]:
     """The jitted ``(prefill, decode)`` of a ``generate_from_state`` call, and its knobs.
 
@@ -279,6 +302,7 @@ def sampler_programs(
         top_k=int(top_k),
         repetition_ngram=int(repetition_ngram),
         compact_rows=_compact_levels(compact_rows),
+        cache_sizes=auto_cache_sizes(max_new_tokens) if cache_sizes is None else tuple(cache_sizes),
     )
     cache_dtype = cache_dtype or getattr(model_cfg, "dtype", "float32")
     key = (graphdef, model_cfg, cfg, cache_dtype)
@@ -346,8 +370,10 @@ def generate(model: nnx.Module, prompt_ids: Array, prompt_mask: Array, **kwargs)
         ``repetition_ngram`` (static n, 0 = off) and ``repetition_count`` (traced k): stop a row
         whose tail is one block of <= n tokens repeated k times; ``pad_id``; ``cache_dtype``;
         ``compact_rows`` (static M, or decreasing (M1, M2, ...): once at most M rows are
-        running, decode only those; None = ``auto_compact_rows``, 0 or () = off; the
-        completions are the same either way).
+        running, decode only those; None = ``auto_compact_rows``, 0 or () = off) and
+        ``cache_sizes`` (static increasing completion-cache sizes ending at T, grown through
+        as tokens are written; None = ``auto_cache_sizes``, () = T slots from the start); the
+        completions are the same whatever the two.
 
     Returns:
       ``SampleOutput`` with R = B * G rows.

@@ -3,7 +3,8 @@
 The loop only knows a ``step_fn(params, ids_BT, mask_BT, cache) -> (logits_BV, cache)`` callable
 (flax lm1b's ``tokens_to_logits`` idea): it returns the logits of the *last* position of
 ``ids_BT`` and the updated cache. Any pytree works as a cache as long as it has a
-``repeat(G)`` method that repeats each batch row G times (``KVCache.repeat``). Tests drive the
+``repeat(G)`` method that repeats each batch row G times (``LayerKVCache.repeat``), and
+``take(rows)`` / ``grow(size)`` when rows are compacted or the cache grows. Tests drive the
 loop with a fake step function; ``jaxgrpo.sampling.generate`` plugs in the Transformer.
 
 Flow for B prompts and G samples each (R = B * G rows, prompt b -> rows b*G .. b*G+G-1):
@@ -56,6 +57,12 @@ class LoopConfig:
         most M2 run, and so on, so finished rows stop costing compute. Needs a cache with
         ``take(rows)``; () = off. The result is the same either way: row r draws the same
         random numbers wherever it sits in the batch.
+      cache_sizes: increasing completion-cache sizes ending at ``max_new_tokens``: the cache
+        starts with the first, and the first loop (all rows) runs while the tokens it has
+        cached fit, then grows the cache to the next size (``cache.grow(size)``) and goes on,
+        so a step attends the slots written so far rounded up to a size, not all T. Loops
+        after a compaction keep the cache at its full size. () = T slots from the start. The
+        result is the same either way.
     """
 
     max_new_tokens: int
@@ -64,6 +71,19 @@ class LoopConfig:
     top_k: int = 0
     repetition_ngram: int = 0
     compact_rows: tuple[int, ...] = ()
+    cache_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        sizes = self.cache_sizes
+        if sizes and (list(sizes) != sorted(set(sizes)) or sizes[0] < 1):
+            raise ValueError(f"cache_sizes={sizes!r}: want increasing positive sizes")
+        if sizes and sizes[-1] != self.max_new_tokens:
+            raise ValueError(f"cache_sizes={sizes!r} must end at max_new_tokens")
+
+    @property
+    def first_cache_size(self) -> int:
+        """The completion slots the cache starts with."""
+        return self.cache_sizes[0] if self.cache_sizes else self.max_new_tokens
 
 
 @flax.struct.dataclass
@@ -282,7 +302,8 @@ def decode(
     are running; M rows, all the running ones and then finished ones, in row order, are
     gathered (``cache.take``) and a second loop decodes them, compacting again at the next
     count, and so on. The returned state holds every row's tokens; its cache is then the
-    R-row cache as it was at the first compaction.
+    R-row cache as it was at the first compaction. With ``cfg.cache_sizes``, the loop over all
+    rows is one loop per cache size, the cache grown between them.
 
     Args:
       step_fn: as in ``prefill``; called on [R, 1] token batches.
@@ -296,9 +317,11 @@ def decode(
     """
     n, t = state.tokens_RT.shape
 
-    def run(s: SamplingState, kn: Knobs, rows_M: Array | None, until: int) -> SamplingState:
+    def run(s: SamplingState, kn: Knobs, rows_M: Array | None, until: int, end: int = t):
+        """Decodes while step < end and more than `until` rows run."""
+
         def cond(s: SamplingState) -> Array:
-            return (s.step < t) & (jnp.sum(~s.done_R) > until)
+            return (s.step < end) & (jnp.sum(~s.done_R) > until)
 
         def body(s: SamplingState) -> SamplingState:
             last_R1 = jax.lax.dynamic_slice_in_dim(s.tokens_RT, s.step - 1, 1, axis=1)
@@ -307,12 +330,25 @@ def decode(
 
         return jax.lax.while_loop(cond, body, s)
 
+    def growing(s: SamplingState, kn: Knobs, until: int) -> SamplingState:
+        """`run` over every row through each cache size: step s caches token s - 1 at slot
+        s - 1, so a cache of `size` slots serves the steps up to `size`."""
+        sizes = cfg.cache_sizes
+        for size, next_size in zip(sizes[:-1], sizes[1:], strict=True):
+            s = run(s, kn, None, until, end=size + 1)
+            s = s.replace(cache=s.cache.grow(next_size))
+        return run(s, kn, None, until)
+
     def compacting(s: SamplingState, kn: Knobs, rows: Array | None, levels) -> SamplingState:
         """Decodes `s` (whose rows are `rows` of the full batch, None = all) to the end."""
         m = levels[0] if levels else 0
+        if rows is None:
+            loop = lambda s, until: growing(s, kn, until)  # noqa: E731
+        else:
+            loop = lambda s, until: run(s, kn, rows, until)  # noqa: E731
         if not 0 < m < s.done_R.shape[0]:
-            return run(s, kn, rows, 0)
-        s = run(s, kn, rows, m)
+            return loop(s, 0)
+        s = loop(s, m)
         # Running rows sort first (stable: in row order); keep M of them, in row order.
         pick_M = jnp.sort(jnp.argsort(s.done_R, stable=True)[:m]).astype(jnp.int32)
         sub, sub_knobs = _take_rows(s, kn, pick_M)

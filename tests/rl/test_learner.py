@@ -58,6 +58,7 @@ def test_step_metrics_and_samples(one_device_run):
         "format_rate",
         "time/sampling",
         "time/rewards",
+        "time/reference",
         "time/update",
         "tokens_per_s",
         "sampler_logp_gap",

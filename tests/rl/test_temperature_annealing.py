@@ -36,10 +36,10 @@ def annealed_run():
     rollouts, params = [], []
     prepare = learner._prepare
 
-    def recording_prepare(state, rollout):
+    def recording_prepare(state, rollout, *timer):
         rollouts.append(rollout)
         params.append(jax.tree.map(jnp.copy, state.params))  # the update donates the state
-        return prepare(state, rollout)
+        return prepare(state, rollout, *timer)
 
     learner._prepare = recording_prepare
     state = learner.init_state()

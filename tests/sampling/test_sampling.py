@@ -332,6 +332,59 @@ def test_logprobs_and_cached_decode_match_full_forward(tiny):
     assert m.sum() > 10
 
 
+@pytest.mark.parametrize("compact_rows", [0, (8, 2)])
+def test_growing_cache_equals_the_full_forward_and_the_fixed_cache(tiny, compact_rows):
+    """A completion cache grown through sizes 3, 5, 8 and 10 (the first loop reads only the
+    slots of its current size) gives the tokens of a 10-slot cache from the start, and log-probs
+    equal to one full forward over prompt + completion within 1e-5 (float32), with and without
+    row compaction."""
+    model, ids, mask = tiny
+    ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # B = 4
+    t, g = 10, 4
+    max_len = np.full(16, t)
+    max_len[[0, 5, 9]] = [2, 4, 7]  # some rows stop inside the first sizes
+    kw = dict(
+        rng=jax.random.key(2), max_new_tokens=t, temperature=1.0, num_samples=g,
+        max_lengths=max_len, compact_rows=compact_rows,
+    )  # fmt: skip
+    fixed = sampling.generate(model, ids, mask, cache_sizes=(), **kw)
+    grown = sampling.generate(model, ids, mask, cache_sizes=(3, 5, 8, t), **kw)
+    for name in ("tokens", "mask", "lengths", "stop_reason", "steps"):
+        np.testing.assert_array_equal(getattr(grown, name), getattr(fixed, name), err_msg=name)
+    np.testing.assert_allclose(grown.logprobs, fixed.logprobs, rtol=1e-5, atol=1e-5)
+    full_ids = np.concatenate([np.repeat(ids, g, 0), np.asarray(grown.tokens)], 1)
+    full_mask = np.concatenate([np.repeat(mask, g, 0), np.asarray(grown.mask)], 1)
+    logits = np.asarray(model(jnp.asarray(full_ids), attention_mask=jnp.asarray(full_mask)))
+    p = ids.shape[1]
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[:, p - 1 : p + t - 1]), axis=-1))
+    ref_tok = np.take_along_axis(ref, np.asarray(grown.tokens)[..., None], -1)[..., 0]
+    m = np.asarray(grown.mask).astype(bool)
+    assert m[:, 8:].any(), "no row reached the last cache size"
+    np.testing.assert_allclose(np.asarray(grown.logprobs)[m], ref_tok[m], rtol=1e-5, atol=1e-5)
+
+
+def test_cache_sizes_default_and_checks():
+    """Completions of at most CACHE_STEP tokens keep one size; longer ones grow by CACHE_STEP;
+    sizes must increase and end at T; a cache never shrinks."""
+    from jaxgrpo.models.kv_cache import KVCache, LayerKVCache
+    from jaxgrpo.sampling.generate import CACHE_STEP, auto_cache_sizes
+
+    assert auto_cache_sizes(CACHE_STEP) == ()
+    assert auto_cache_sizes(4 * CACHE_STEP) == tuple(CACHE_STEP * i for i in (1, 2, 3, 4))
+    assert auto_cache_sizes(2 * CACHE_STEP + 3)[-2:] == (2 * CACHE_STEP, 2 * CACHE_STEP + 3)
+    for bad in ((4, 4, 8), (8, 4), (4, 6)):
+        with pytest.raises(ValueError, match="cache_sizes"):
+            LoopConfig(max_new_tokens=8, cache_sizes=bad)
+    z = jnp.zeros((1, 2, 3, 2, 4))  # [L, B, P, K, H]
+    prompt = KVCache(z, z, jnp.ones((2, 3), bool), jnp.zeros(2, jnp.int32), jnp.int32(3))
+    cache = LayerKVCache.from_prompt(prompt, 5)
+    grown = cache.grow(8)
+    assert grown.k[0].shape == (2, 2, 4, 8) and grown.v[0].shape == (2, 2, 8, 4)
+    assert grown.mask.shape == (2, 8)
+    with pytest.raises(ValueError, match="cannot grow"):
+        grown.grow(6)
+
+
 def test_no_recompilation_when_knobs_change(tiny):
     """Temperature (scalar, [T], schedule), top-p, min-p, per-row lengths and the key are traced:
     one prefill + one decode program per bucket; a new prompt bucket adds exactly two."""
@@ -460,8 +513,8 @@ def test_categorical_row_draws_do_not_depend_on_the_batch():
 
 def test_scanned_decode_equals_unrolled(tiny):
     """The decode loop as a scan over stacked layers and cache (what TPUs and GPUs run) gives
-    the unrolled loop's tokens, and logprobs within 1e-5, with row compaction at two levels,
-    on one device and on a 2x2x2 mesh under the sampling rules."""
+    the unrolled loop's tokens, and logprobs within 1e-5, with row compaction at two levels
+    and a growing cache, on one device and on a 2x2x2 mesh under the sampling rules."""
     from flax import nnx
 
     from jaxgrpo.models.transformer import Transformer
@@ -475,7 +528,7 @@ def test_scanned_decode_equals_unrolled(tiny):
     max_len[[1, 6, 11, 12]] = [10, 5, 5, 8]
     kw = dict(
         rng=jax.random.key(5), max_new_tokens=10, temperature=1.0, num_samples=4, eos_ids=(3,),
-        max_lengths=max_len, compact_rows=(8, 2),
+        max_lengths=max_len, compact_rows=(8, 2), cache_sizes=(4, 7, 10),
     )  # fmt: skip
     unrolled = sampling.generate(model, ids, mask, **kw)
     sharded, *placed = _on_eight_devices(model, scanned.cfg, ids, mask)

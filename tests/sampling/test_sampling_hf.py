@@ -56,8 +56,10 @@ def _assert_same(ours, hf_new, eos_ids):
     assert np.all(np.isin(tokens[np.arange(len(tokens)), last][stopped], eos_ids))
 
 
+@pytest.mark.parametrize("cache_sizes", [None, (4, 7, 10)], ids=["default", "grown"])
 @pytest.mark.parametrize("arch", sorted(ARCHS))
-def test_greedy_matches_transformers_tiny(arch):
+def test_greedy_matches_transformers_tiny(arch, cache_sizes):
+    """Also with a completion cache grown through three sizes."""
     torch.manual_seed(0)
     hf_cfg = ARCHS[arch]()
     hf = transformers.AutoModelForCausalLM.from_config(hf_cfg).eval()
@@ -68,8 +70,9 @@ def test_greedy_matches_transformers_tiny(arch):
     ids, mask = _prompts([5, 16, 9], 16, cfg.vocab_size)
     new, eos = 10, (2, 7)
     ours = generate(
-        model, ids, mask, rng=jax.random.key(0), max_new_tokens=new, temperature=0.0, eos_ids=eos
-    )
+        model, ids, mask, rng=jax.random.key(0), max_new_tokens=new, temperature=0.0,
+        eos_ids=eos, cache_sizes=cache_sizes,
+    )  # fmt: skip
     _assert_same(ours, _hf_greedy(hf, ids, mask, new, eos, 0), eos)
     assert np.asarray(ours.mask).sum() >= 10, "too few tokens compared to prove anything"
 
