@@ -9,6 +9,8 @@ global-norm clipping 1.0. Variants: LoRA (rank 16, alpha 32, all projections) an
 fine-tuning.
 
 Options scale the work: `--new-tokens N` (TRL's `max_completion_length`), `--group G`,
+`--grad-accum U` (the update in U micro-batches: `rl.grad_accum`, TRL's
+`gradient_accumulation_steps` with one generation per optimizer step),
 `--task gsm8k` (the GSM8K fixture's questions under the seed study's prompt and its
 exact-answer reward, so completions are reasoning of varying length) and
 `--model random:qwen2.5-0.5b` (random weights of Qwen2.5-0.5B's shape with SmolLM2's
@@ -57,6 +59,7 @@ class Workload:
     prompts: int = 4
     steps: int = 5
     hf_dir: str = ""
+    grad_accum: int = 1
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,6 +121,7 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
         "sampling.temperature": 1.0,
         "rl.prompts_per_step": w.prompts,
         "rl.group_size": w.group,
+        "rl.grad_accum": w.grad_accum,
         "rl.beta": BETA,
         "rl.loss_type": "dapo",
         "optim.lr": LR,
@@ -202,8 +206,9 @@ def bench_trl(w: Workload, lora: bool) -> dict:
 
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(),
-        per_device_train_batch_size=w.prompts * w.group,
-        gradient_accumulation_steps=1,
+        # One generation of prompts x group rows per optimizer step, in grad_accum micro-batches.
+        per_device_train_batch_size=w.prompts * w.group // w.grad_accum,
+        gradient_accumulation_steps=w.grad_accum,
         num_generations=w.group,
         max_completion_length=w.new_tokens,
         temperature=1.0,
@@ -336,7 +341,7 @@ def table_rows(result: dict) -> list[str]:
             w["model"],
             w["task"],
             str(w["new_tokens"]),
-            variant,
+            variant + (f", {w['grad_accum']} micro-batches" if w.get("grad_accum", 1) > 1 else ""),
             cell(j, "{:.2f}", "seconds"),
             cell(t, "{:.2f}", "seconds"),
             f"**{t['seconds'] / j['seconds']:.2f}x**" if both else "-",
@@ -361,6 +366,9 @@ def main() -> None:
     parser.add_argument("--task", default="format_copy", choices=["format_copy", "gsm8k"])
     parser.add_argument("--group", type=int, default=8, help="samples per prompt G")
     parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument(
+        "--grad-accum", type=int, default=1, help="micro-batches per update, both frameworks"
+    )
     parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     parser.add_argument("--hf_dir", default="", help="where the shared HF directory is kept")
     parser.add_argument("--json", default="", help="also write the results here")
@@ -377,7 +385,14 @@ def main() -> None:
         args.model, args.hf_dir or os.path.join(tempfile.gettempdir(), default_dir)
     )
     w = Workload(
-        args.model, args.task, args.new_tokens, args.group, args.prompts, args.steps, hf_dir
+        args.model,
+        args.task,
+        args.new_tokens,
+        args.group,
+        args.prompts,
+        args.steps,
+        hf_dir,
+        args.grad_accum,
     )
     print(f"workload: {w}", flush=True)
     runs: dict[str, dict] = {}

@@ -30,6 +30,7 @@ from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.rl import packing as packing_lib
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.train_state import TrainState
@@ -108,7 +109,7 @@ def _batch(learner: Learner, prompt_len: int, t: int) -> ro.RolloutBatch:
         old_logp=np.zeros((n, t), np.float32),
         ref_logp=np.zeros((n, t), np.float32),
         advantages=np.zeros((n,), np.float32),
-        packing=ro.pack(np.full(n, t), g, t) if learner.rl.pack_completions else None,
+        packing=packing_lib.pack(np.full(n, t), g, t) if learner.rl.pack_completions else None,
         shared_ids=np.zeros((1, 0), np.int32),
     )
     return jax.tree.map(_abstract, host, learner._batch_shardings())

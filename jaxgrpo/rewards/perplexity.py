@@ -25,10 +25,12 @@ Details we fixed where the seed study is silent:
   generated reasoning with no surviving tokens scores -1, the minimum, so an empty completion is
   never a safe choice.
 
-The batch runs through one jitted function over the split model state; rows are padded to
-power-of-two buckets (rows and length), and the log-probs come from
-``jaxgrpo.rl.logprobs.head_token_logprobs`` in chunks along T, so a full ``[B, T, V]``
-float32 array never exists.
+The texts that follow one prompt (a group's G completions and its reference) share one pass
+over ``p || "<reasoning>"`` and are packed end to end in one row that attends it
+(``jaxgrpo.rl.logprobs.packed_logprobs``, the learner's scoring): the prompt, usually most of
+the tokens, runs once per group instead of once per text. Shapes are padded to buckets (groups,
+texts per group, prompt and text lengths), and the log-probs come in chunks along T, so a full
+``[B, T, V]`` float32 array never exists.
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from flax import nnx
 
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.rewards.embedding import reasoning_text
-from jaxgrpo.rl.logprobs import head_token_logprobs
-from jaxgrpo.types import Array
+from jaxgrpo.rl.logprobs import packed_logprobs
+from jaxgrpo.rl.packing import Packing, pack
 
 SEPARATOR = "<reasoning>"
 
@@ -57,23 +59,20 @@ def _text_encoder(tokenizer) -> Callable[[str], list[int]]:
     return lambda text: list(hf.encode(text, add_special_tokens=False))
 
 
-def sequence_nll_fn(model: nnx.Module, chunk: int = 128) -> Callable:
-    """A jitted ``(state, ids_BT, mask_BT, weight_BT) -> (nll_sum_B, count_B)``.
-
-    ``weight_BT[b, t] = 1`` marks that the token at ``t + 1`` is scored, i.e. its log-prob comes
-    from the logits at position ``t``. The graphdef is closed over; the weights are an argument.
-    """
+def packed_nll_fn(model: nnx.Module, chunk: int = 128) -> Callable:
+    """A jitted ``(state, prompt_ids_BP, prompt_mask_BP, ids_RT, mask_RT, packing) ->
+    (nll_sum_R, count_R)``: each row's text scored after its group's prompt (temperature 1),
+    the G = R / B texts of a group packed into one row. The graphdef is closed over."""
     graphdef, _ = nnx.split(model)
 
-    def nll(state, ids_BT: Array, mask_BT: Array, weight_BT: Array) -> tuple[Array, Array]:
+    def nll(state, prompt_ids_BP, prompt_mask_BP, ids_RT, mask_RT, packing: Packing):
         m = nnx.merge(graphdef, state)
-        b, t = ids_BT.shape
-        h_BTD = m.forward(ids_BT, mask_BT)
-        targets_BT = jnp.concatenate([ids_BT[:, 1:], jnp.zeros((b, 1), ids_BT.dtype)], axis=1)
-        ones_BT = jnp.ones((b, t), jnp.float32)  # temperature 1: the model's own distribution
-        logp_BT, _ = head_token_logprobs(m, h_BTD, targets_BT, ones_BT, chunk)
-        w_BT = weight_BT.astype(jnp.float32)
-        return -(logp_BT * w_BT).sum(axis=1), w_BT.sum(axis=1)
+        ones_RT = jnp.ones(ids_RT.shape, jnp.float32)  # the model's own distribution
+        logp_RT, _ = packed_logprobs(
+            m, prompt_ids_BP, prompt_mask_BP, ids_RT, ones_RT, packing, chunk
+        )
+        w_RT = mask_RT.astype(jnp.float32)
+        return -(logp_RT * w_RT).sum(axis=1), w_RT.sum(axis=1)
 
     return jax.jit(nll)
 
@@ -88,10 +87,11 @@ class PerplexityReward:
       model: a ``jaxgrpo.models.transformer.Transformer`` (contract 2), LoRA zeroed.
       tokenizer: jaxgrpo ``Tokenizer``, a transformers tokenizer or a ``tokenizers.Tokenizer``.
       max_length: truncation length of each sequence, in tokens.
-      batch_size: sequences per jitted call (each sample needs two).
+      batch_size: prompts (each with all its texts) per jitted call.
       strip_answer: score the reasoning only (answer spans removed) instead of the whole text.
       chunk: length chunk of the logits computation.
-      min_bucket: shortest padded length (larger: fewer distinct shapes, so fewer compilations).
+      min_bucket: shortest padded text length (larger: fewer distinct shapes, so fewer
+        compilations).
     """
 
     def __init__(
@@ -113,38 +113,51 @@ class PerplexityReward:
         self.min_bucket = min_bucket
         self.pad_id = int(getattr(tokenizer, "pad_id", 0) or 0)
         _, self.state = nnx.split(model)
-        self._nll = sequence_nll_fn(model, chunk)
+        self._nll = packed_nll_fn(model, chunk)
         self.__name__ = "perplexity"
 
-    def _row(self, prompt: str, text: str) -> tuple[list[int], int]:
-        """Token ids of ``prompt || SEPARATOR || text`` (truncated) and where ``text`` starts."""
-        head = self.encode(prompt) + self.encode(SEPARATOR)
-        ids = (head + self.encode(text))[: self.max_length]
-        return ids, len(head)
-
     def nll(self, prompts: list[str], texts: list[str]) -> np.ndarray:
-        """Token-averaged NLL of each text after its prompt; NaN where no text token survives."""
-        rows = [self._row(p, t) for p, t in zip(prompts, texts, strict=True)]
-        out = np.full(len(rows), np.nan, np.float64)
-        for start in range(0, len(rows), self.batch_size):
-            part = rows[start : start + self.batch_size]
-            n = bucket_length(len(part), 1, self.batch_size)
-            t = bucket_length(max(len(ids) for ids, _ in part), self.min_bucket, self.max_length)
-            t = -(-t // min(self.chunk, t)) * min(self.chunk, t)  # A multiple of the chunk.
-            ids = np.full((n, t), self.pad_id, np.int32)
-            mask = np.zeros((n, t), np.int32)
-            weight = np.zeros((n, t), np.int32)
-            mask[:, 0] = 1  # Padding rows keep one valid token so attention stays finite.
-            for i, (row, start_r) in enumerate(part):
-                ids[i, : len(row)] = row
-                mask[i, : len(row)] = 1
-                # Logits at position j predict token j + 1: score tokens start_r .. len-1.
-                weight[i, max(start_r - 1, 0) : len(row) - 1] = 1
-            total, count = (np.asarray(x) for x in self._nll(self.state, ids, mask, weight))
-            with np.errstate(invalid="ignore", divide="ignore"):
-                mean = np.where(count > 0, total / np.maximum(count, 1), np.nan)
-            out[start : start + len(part)] = mean[: len(part)]
+        """Token-averaged NLL of each text after its prompt; NaN where no text token survives.
+
+        Texts after the same prompt are scored in one group: one pass over ``prompt ||
+        SEPARATOR``, the texts packed after it.
+        """
+        groups: dict[str, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            groups.setdefault(prompt, []).append(i)
+        items = list(groups.items())
+        out = np.full(len(prompts), np.nan, np.float64)
+        for start in range(0, len(items), self.batch_size):
+            part = items[start : start + self.batch_size]
+            heads = [(self.encode(p) + self.encode(SEPARATOR))[: self.max_length] for p, _ in part]
+            # Each sequence is cut to max_length tokens: the text keeps what fits after its head.
+            bodies = [
+                [self.encode(texts[i])[: self.max_length - len(head)] for i in rows]
+                for (_, rows), head in zip(part, heads, strict=True)
+            ]
+            total, count = self._score(heads, bodies)
+            for (_, rows), tot, cnt in zip(part, total, count, strict=False):
+                for row, t_sum, c in zip(rows, tot, cnt, strict=False):
+                    out[row] = t_sum / c if c > 0 else np.nan
         return out
+
+    def _score(self, heads: list[list[int]], bodies: list[list[list[int]]]) -> tuple:
+        """(NLL sums, token counts) per group and text: [B, G] each, padded rows last."""
+        b = bucket_length(len(heads), 1, self.batch_size)
+        g = bucket_length(max(len(x) for x in bodies), 1)
+        p = -(-max(len(h) for h in heads) // 64) * 64  # prompt columns: a multiple of 64
+        longest = max((len(x) for group in bodies for x in group), default=1)
+        t = bucket_length(max(longest, 1), self.min_bucket, max(self.max_length, 1))
+        prompt_ids, prompt_mask = np.full((b, p), self.pad_id, np.int32), np.zeros((b, p), np.int32)
+        prompt_mask[:, -1] = 1  # padding groups keep one valid slot, so attention stays finite
+        ids, mask = np.full((b * g, t), self.pad_id, np.int32), np.zeros((b * g, t), np.int32)
+        for i, (head, group) in enumerate(zip(heads, bodies, strict=True)):
+            prompt_ids[i, p - len(head) :], prompt_mask[i, p - len(head) :] = head, 1
+            for j, body in enumerate(group):
+                ids[i * g + j, : len(body)], mask[i * g + j, : len(body)] = body, 1
+        packing = pack(mask.sum(axis=1), g, t)
+        total, count = self._nll(self.state, prompt_ids, prompt_mask, ids, mask, packing)
+        return np.asarray(total).reshape(b, g), np.asarray(count).reshape(b, g)
 
     def __call__(
         self, prompts: list[str], completions: list[str], *, reference: list, **_

@@ -33,6 +33,7 @@ from jaxgrpo.config_checks import check_batch_layout
 from jaxgrpo.eval import held_out
 from jaxgrpo.logging import warn_once
 from jaxgrpo.models.lora import zero_lora
+from jaxgrpo.rl import packing as packing_lib
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.kl import kl_penalized_rewards
@@ -195,7 +196,7 @@ class Learner:
             old_logp=rows,
             ref_logp=rows,
             advantages=sharding.batch_sharding(self.mesh, n, 1),
-            packing=ro.Packing(
+            packing=packing_lib.Packing(
                 src_BL=sharding.batch_sharding(self.mesh, b, 2),
                 seg_BL=sharding.batch_sharding(self.mesh, b, 2),
                 pos_BL=sharding.batch_sharding(self.mesh, b, 2),
@@ -385,7 +386,7 @@ class Learner:
             # [R, T] arrays costs next to nothing; keeping it fixed avoids recompiling.
             t = r.tokens.shape[1]
             lengths = r.mask.sum(axis=1)
-            packing = ro.pack(lengths, self.rl.group_size, t, self.buckets)
+            packing = packing_lib.pack(lengths, self.rl.group_size, t, self.buckets)
             packing = jax.tree.map(put, packing)
         else:
             t = ro.completion_bucket(r.lengths, r.tokens.shape[1], self.buckets)

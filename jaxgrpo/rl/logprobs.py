@@ -25,7 +25,7 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
 
 * Padding. Completions of one group differ in length, and padding every one to the longest
   scores mostly padding once a policy answers briefly. With a `Packing`
-  (`jaxgrpo.rl.rollout.pack`), a group's completions run end to end in one row against the
+  (`jaxgrpo.rl.packing.pack`), a group's completions run end to end in one row against the
   group's prompt cache, each attending only to the prompt and to its own earlier tokens, with
   its own positions: the values and gradients are again those of the unshared computation.
 
@@ -36,17 +36,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models.layers import banded_mask
+from jaxgrpo.rl.packing import Packing
 from jaxgrpo.types import Array, PyTree
-
-if TYPE_CHECKING:  # annotations only: rl.rollout imports the evaluation's accuracy module
-    from jaxgrpo.rl.rollout import Packing
 
 # Up to this many bytes of [R, T, V] float32 log-probabilities, the backward pass of the
 # head keeps them instead of recomputing the logits (the GRPO benchmark's 512 packed
@@ -282,7 +280,7 @@ def packed_logprobs(
     is predicted by the prompt's last hidden state, every other one by the packed column
     before it. Columns past a completion's end (per `packing`) come back as 0.
 
-    Args: as `shared_prefix_logprobs`, with `packing` from `jaxgrpo.rl.rollout.pack`.
+    Args: as `shared_prefix_logprobs`, with `packing` from `jaxgrpo.rl.packing.pack`.
 
     Returns:
         (logp_RT, entropy_RT), float32.

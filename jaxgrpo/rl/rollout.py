@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax.struct
-import jax.numpy as jnp
 import numpy as np
 
 from jaxgrpo.eval import accuracy
 from jaxgrpo.models.tokenizer import bucket_length
+from jaxgrpo.rl.packing import Packing
 from jaxgrpo.types import Array
 
 
@@ -137,67 +137,6 @@ def completion_bucket(
     longest = int(np.max(lengths_R, initial=1))
     t = bucket_length(longest, min_bucket=8, max_length=max_new_tokens)
     return t if buckets is None else buckets.grow("completion", t)
-
-
-@flax.struct.dataclass
-class Packing:
-    """Where each group's completions sit when packed end to end into one row of L tokens.
-
-    Column c of group b's packed row holds token j = pos[b, c] of completion g = seg[b, c]
-    of that group (seg is -1 on padding columns), read from index src[b, c] = g * T + j of the
-    group's completions flattened to [G * T]. `unpack[n, j]` is the packed column of token
-    (n, j), or L for the columns past that completion's end. Built on the host by `pack`.
-    """
-
-    src_BL: Array
-    seg_BL: Array
-    pos_BL: Array
-    unpack_NT: Array
-
-    def take(self, groups_M: Array, rows_R: Array) -> Packing:
-        """The packing of groups `groups_M`, whose completions are rows `rows_R`."""
-        return Packing(
-            src_BL=jnp.take(self.src_BL, groups_M, axis=0),
-            seg_BL=jnp.take(self.seg_BL, groups_M, axis=0),
-            pos_BL=jnp.take(self.pos_BL, groups_M, axis=0),
-            unpack_NT=jnp.take(self.unpack_NT, rows_R, axis=0),
-        )
-
-
-def pack(
-    lengths_R: np.ndarray, group_size: int, t: int, buckets: ShapeBuckets | None = None
-) -> Packing:
-    """Packs the completions of each group of `group_size` rows end to end (numpy arrays).
-
-    Args:
-        lengths_R: tokens to score per completion (up to and including its stop token).
-        group_size: G; row b*G + g is completion g of group b.
-        t: T, the completions' column count.
-        buckets: the run's `ShapeBuckets`: L never falls below an earlier step's.
-
-    Returns:
-        `Packing` with L = the power-of-two bucket (at least 16, at most G * T) of the longest
-        group's total length: with short completions a group's row is far shorter than G * T.
-    """
-    lengths_BG = np.minimum(np.asarray(lengths_R), t).reshape(-1, group_size)
-    b = lengths_BG.shape[0]
-    width = bucket_length(int(lengths_BG.sum(axis=1).max(initial=1)), 16, group_size * t)
-    if buckets is not None:
-        width = buckets.grow("packed", width)
-    src = np.zeros((b, width), np.int32)
-    seg = np.full((b, width), -1, np.int32)
-    pos = np.zeros((b, width), np.int32)
-    unpack = np.full((b, group_size, t), width, np.int32)
-    for i in range(b):
-        col = 0
-        for g, n in enumerate(lengths_BG[i]):
-            j = np.arange(n)
-            src[i, col : col + n] = g * t + j
-            seg[i, col : col + n] = g
-            pos[i, col : col + n] = j
-            unpack[i, g, :n] = col + j
-            col += n
-    return Packing(src, seg, pos, unpack.reshape(b * group_size, t))
 
 
 @flax.struct.dataclass

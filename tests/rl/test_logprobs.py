@@ -15,7 +15,8 @@ from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import tiny_model_config
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rl import logprobs as lp
-from jaxgrpo.rl.rollout import pack, split_common_prefix
+from jaxgrpo.rl.packing import pack
+from jaxgrpo.rl.rollout import split_common_prefix
 
 B, G, P, T = 2, 3, 8, 6
 ATOL = 1e-5  # float32; the shared and unshared paths sum the same terms in another order
