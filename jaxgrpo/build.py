@@ -69,12 +69,13 @@ def smollm2_path() -> str:
 
 
 def unroll_layers(spec: config_lib.ModelSpec) -> bool:
-    """Resolves ``model.layer_loop``: "auto" unrolls for full fine-tuning on CPU, where the
-    unrolled update is faster, and keeps the scan for LoRA, whose update it slows (figures in
-    benchmarks/README.md, ``model.layer_loop``)."""
+    """Resolves ``model.layer_loop``: "auto" unrolls for full fine-tuning on CPU without remat,
+    where the unrolled update is faster, and keeps the scan otherwise: it slows LoRA's update,
+    and with remat the scan's gradients accumulate in place where the unrolled layers' are
+    concatenated (figures in benchmarks/README.md, ``model.layer_loop``)."""
     if spec.layer_loop != "auto":
         return spec.layer_loop == "unroll"
-    return spec.lora_rank == 0 and jax.default_backend() == "cpu"
+    return spec.lora_rank == 0 and not spec.remat and jax.default_backend() == "cpu"
 
 
 def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):

@@ -19,8 +19,9 @@ def _model() -> ConfigDict:
     c.source = "smollm2"  # HF dir, hub id, .gguf path, "smollm2" (embedded GGUF) or "tiny" (random)
     c.dtype = "float32"  # compute dtype: "float32" or "bfloat16"
     c.param_dtype = "float32"  # parameter storage dtype: "float32" or "bfloat16"
-    c.remat = False  # rematerialise each block in the backward pass (saves memory, costs FLOPs)
-    # "scan", "unroll" or "auto" (unroll for full fine-tuning on CPU: faster update, slower compile)
+    c.remat = True  # recompute each block in the backward pass: keeps one input per layer, not
+    # its activations (the update's largest buffers), for one more forward pass of FLOPs
+    # "scan", "unroll" or "auto" (unroll for full fine-tuning on CPU without remat)
     c.layer_loop = "auto"
     c.lora_rank = 16  # LoRA rank R; 0 = full fine-tuning of every parameter
     c.lora_alpha = 32.0  # LoRA scale numerator: adapter output is scaled by alpha / rank
