@@ -1,8 +1,8 @@
 """The decoder's key/value caches as explicit pytrees (in and out of jit).
 
 `KVCache` is the prompt pass's (`Transformer.prefill`), `LayerKVCache` the decode steps'
-(`Transformer.decode_step`); the scoring passes keep no cache, only a (k, v) tuple of a prompt's
-keys and values (`Transformer.forward(prefix_kv=...)`).
+(`Transformer.decode_step`); the scoring passes keep no cache: their segments attend each
+other's keys and values layer by layer (`Transformer.forward_segments`).
 
 Every row writes at the same slot (`index`), which is what left padding buys: prompts are
 left-padded to a common length P, so prefill fills slots [0, P) for all rows and each decode

@@ -6,8 +6,9 @@ scan body each layer's weight slice is merged back into a `Block` (`nnx.merge`),
 per-layer code ordinary module code. `ModelConfig.unroll_layers` unrolls the scan instead
 (longer compile, no stacked residual/gradient buffers in the backward pass).
 
-Three entry points, one per use: `forward` (training and scoring, no cache; optionally a
-prompt's keys and values as a prefix), `prefill` (the sampler's prompt pass into a `KVCache`,
+Three entry points, one per use: `forward` / `forward_segments` (training and scoring, no
+cache; several segments, later ones attending earlier ones' keys and values, in one scan),
+`prefill` (the sampler's prompt pass into a `KVCache`,
 carried whole through the scan and updated in place at (layer, slot)) and `decode_step` (the
 sampler's one-token steps on the decode layout of `jaxgrpo.models.decode` and a
 `LayerKVCache`). Every layer runs the one body `layers.decoder_layer`.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -288,50 +290,90 @@ class Transformer(nnx.Module):
         mask_BT: Array | None = None,
         positions_BT: Array | None = None,
         attention_BTS: Array | None = None,
-        prefix_kv: tuple[Array, Array] | None = None,
-        return_kv: bool = False,
-    ) -> Array | tuple[Array, tuple[Array, Array]]:
+    ) -> Array:
         """Final-normed hidden states of a pass without a cache (training and scoring).
 
         Args:
             ids_BT: int token ids [B, T].
             mask_BT: 1 for real tokens, 0 for (left) padding; default all ones.
             positions_BT: position ids; default `cumsum(mask) - 1`, clipped at 0.
-            attention_BTS: bool [B, T, S]: which keys each query attends (S = T, or P + T
-                with `prefix_kv`), replacing the causal mask over real tokens. For packed
-                sequences, where several completions share one row and one prompt; or a
-                `layers.BandedMask` (with `prefix_kv`) when no completion is longer than
-                its width.
-            prefix_kv: the scoring passes' prompt keys and values, each [L, B, P, K, H] (from
-                a `return_kv` pass), attended before the T new ones and not extended. Needs
-                `positions_BT` and `attention_BTS`.
-            return_kv: also return the new tokens' keys and values, each [L, B, T, K, H].
+            attention_BTS: bool [B, T, T]: which keys each query attends, replacing the
+                causal mask over real tokens (e.g. packed sequences).
 
         Returns:
-            h_BTD in the compute dtype, or (h_BTD, (k, v)) with `return_kv`.
+            h_BTD in the compute dtype.
         """
-        b, t = ids_BT.shape
-        if prefix_kv is not None and (positions_BT is None or attention_BTS is None):
-            raise ValueError("forward(prefix_kv=...) needs positions_BT and attention_BTS")
-        mask_BT = jnp.ones((b, t), jnp.bool_) if mask_BT is None else mask_BT != 0
-        if positions_BT is None:
-            positions_BT = _positions(jnp.zeros((b, 1), jnp.int32), mask_BT)
-        x_BTD, cos, sin = self._embed(ids_BT, positions_BT)
-        s = t + (0 if prefix_kv is None else prefix_kv[0].shape[2])
-        if attention_BTS is None:
-            mask_BTS = _causal(mask_BT, jnp.arange(t))
-        elif isinstance(attention_BTS, BandedMask):
-            w = attention_BTS.width
-            if prefix_kv is None or t % w or attention_BTS.own_XWV.shape != (b * t // w, w, 2 * w):
-                raise ValueError(f"a BandedMask of width {w} needs prefix_kv and T = {t} blocks")
-            mask_BTS = attention_BTS
-        elif attention_BTS.shape != (b, t, s):
-            raise ValueError(f"attention_BTS has shape {attention_BTS.shape}, want {(b, t, s)}")
+        return self.forward_segments([Segment(ids_BT, mask_BT, positions_BT, attention_BTS)])[0]
+
+    def forward_segments(self, segments: Sequence[Segment]) -> list[Array]:
+        """Several token segments through one scan over the layers, without a cache.
+
+        Segment j attends, at every layer, the keys and values that layer computed for the
+        segments in its ``prefix`` (in that order), then its own; they are never stored across
+        layers. This is how the scoring passes share prompts: a batch's common prefix, each
+        prompt's own tokens attending it, then the completions attending both, as three
+        segments. One scan (not one per segment) means one gradient accumulator per weight in
+        the backward pass, and with remat one saved input per layer and segment.
+
+        Returns:
+            Each segment's final-normed hidden states [B_j, T_j, D] in the compute dtype.
+
+        Raises:
+            ValueError: a segment attends a later one, or has a prefix but no positions and
+                attention mask, or a mask of the wrong shape.
+        """
+        inputs = [self._segment_inputs(j, seg, segments) for j, seg in enumerate(segments)]
+        needs_kv = {i for seg in segments for i in seg.prefix}
+        graphdef, state = nnx.split(self.layers)
+        ctx = self.shard_ctx
+
+        def body(xs, layer_state):
+            block = nnx.merge(graphdef, layer_state)
+            kvs, out = {}, []
+            for j, (seg, x_BTD, (_, cos, sin, mask)) in enumerate(
+                zip(segments, xs, inputs, strict=True)
+            ):
+                prefix = None
+                if seg.prefix:
+                    parts = [_rows_as(kvs[i], x_BTD.shape[0]) for i in seg.prefix]
+                    prefix = tuple(jnp.concatenate(kv, axis=1) for kv in zip(*parts, strict=True))
+                x_BTD, kvs[j] = block(
+                    x_BTD, cos, sin, mask, prefix_kv=prefix, emit_kv=j in needs_kv, ctx=ctx
+                )
+                out.append(x_BTD)
+            return tuple(out), None
+
+        if self.cfg.remat:
+            body = jax.checkpoint(body)
+        unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
+        xs, _ = jax.lax.scan(body, tuple(x[0] for x in inputs), state, unroll=unroll)
+        return [self.final_norm(x_BTD) for x_BTD in xs]
+
+    def _segment_inputs(self, j: int, seg: Segment, segments: Sequence[Segment]) -> tuple:
+        """(embeddings, cos, sin, attention mask) of segment j, checked against its prefix."""
+        b, t = seg.ids_BT.shape
+        if any(not 0 <= i < j for i in seg.prefix):
+            raise ValueError(f"segment {j} may attend only earlier segments, not {seg.prefix}")
+        if seg.prefix and (seg.positions_BT is None or seg.attention_BTS is None):
+            raise ValueError(f"segment {j} has a prefix: it needs positions_BT and attention_BTS")
+        mask_BT = jnp.ones((b, t), jnp.bool_) if seg.mask_BT is None else seg.mask_BT != 0
+        positions = seg.positions_BT
+        if positions is None:
+            positions = _positions(jnp.zeros((b, 1), jnp.int32), mask_BT)
+        x_BTD, cos, sin = self._embed(seg.ids_BT, positions)
+        attention = seg.attention_BTS
+        s = t + sum(segments[i].ids_BT.shape[1] for i in seg.prefix)
+        if attention is None:
+            attention = _causal(mask_BT, jnp.arange(t))
+        elif isinstance(attention, BandedMask):
+            w = attention.width
+            if not seg.prefix or t % w or attention.own_XWV.shape != (b * t // w, w, 2 * w):
+                raise ValueError(f"a BandedMask of width {w} needs a prefix and T = {t} blocks")
+        elif attention.shape != (b, t, s):
+            raise ValueError(f"attention_BTS has shape {attention.shape}, want {(b, t, s)}")
         else:
-            mask_BTS = attention_BTS.astype(jnp.bool_)
-        x_BTD, kv = self._run_layers(x_BTD, cos, sin, mask_BTS, None, prefix_kv, return_kv)
-        h_BTD = self.final_norm(x_BTD)
-        return (h_BTD, kv) if return_kv else h_BTD
+            attention = attention.astype(jnp.bool_)
+        return x_BTD, cos, sin, attention
 
     def prefill(self, ids_BT: Array, mask_BT: Array, cache: KVCache) -> tuple[Array, KVCache]:
         """The sampler's prompt pass: writes the T tokens' keys and values into `cache` at
@@ -440,37 +482,59 @@ class Transformer(nnx.Module):
             vs.append(v)
         return x_BTD, (tuple(ks), tuple(vs))
 
-    def _run_layers(
-        self, x_BTD, cos, sin, mask_BTS, cache: KVCache | None, prefix_kv=None, emit_kv=False
-    ):
-        """Scans (or unrolls) the stacked Block over L; carries x and (if decoding) the cache.
-
-        Without a cache, layer i reads `prefix_kv[.][i]` (if given) as its prefix and, with
-        `emit_kv`, its new keys and values are stacked as the scan's outputs.
-        """
+    def _run_layers(self, x_BTD, cos, sin, mask_BTS, cache: KVCache):
+        """`prefill`'s layers: scans (or unrolls) the stacked Block over L, carrying x and the
+        whole cache, each layer writing its keys and values at (layer, slot)."""
         graphdef, state = nnx.split(self.layers)
         ctx = self.shard_ctx
-        index = None if cache is None else cache.index
 
         def body(carry, xs):
             x_BTD, kv = carry
-            layer_state, layer, prefix = xs
+            layer_state, layer = xs
             block = nnx.merge(graphdef, layer_state)
-            x_BTD, out = block(
-                x_BTD, cos, sin, mask_BTS, kv=kv, layer=layer, index=index,
-                prefix_kv=prefix, emit_kv=emit_kv, ctx=ctx,
-            )  # fmt: skip
-            return ((x_BTD, out), None) if kv is not None else ((x_BTD, None), out)
+            x_BTD, kv = block(
+                x_BTD, cos, sin, mask_BTS, kv=kv, layer=layer, index=cache.index, ctx=ctx
+            )
+            return (x_BTD, kv), None
 
-        if self.cfg.remat:
-            body = jax.checkpoint(body)
-        kv0 = None if cache is None else (cache.k, cache.v)
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
         unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
-        (x_BTD, kv), new_kv = jax.lax.scan(
-            body, (x_BTD, kv0), (state, layers, prefix_kv), unroll=unroll
+        (x_BTD, kv), _ = jax.lax.scan(
+            body, (x_BTD, (cache.k, cache.v)), (state, layers), unroll=unroll
         )
-        return x_BTD, kv if cache is not None else new_kv
+        return x_BTD, kv
+
+
+class Segment(NamedTuple):
+    """Tokens of one `Transformer.forward_segments` segment.
+
+    Attributes:
+        ids_BT: int token ids [B, T].
+        mask_BT: 1 for real tokens, 0 for padding; None = all real.
+        positions_BT: position ids; None = `cumsum(mask) - 1` (needed with a prefix).
+        attention_BTS: None (causal over real tokens), a bool [B, T, S] mask over the prefix's
+            S - T slots then the segment's own T, or a `layers.BandedMask` (packed rows whose
+            blocks attend the prefix and two key blocks). Needed with a prefix.
+        prefix: indices of earlier segments whose keys and values this one attends, in slot
+            order. A prefix segment of one row is broadcast to every row; one of B rows serves
+            this segment's B x G rows in groups of G (row r attends prefix row r // G).
+    """
+
+    ids_BT: Array
+    mask_BT: Array | None = None
+    positions_BT: Array | None = None
+    attention_BTS: Array | BandedMask | None = None
+    prefix: tuple[int, ...] = ()
+
+
+def _rows_as(kv: tuple[Array, Array], rows: int) -> tuple[Array, Array]:
+    """A prefix segment's keys and values [b, S, K, H] for a segment of `rows` rows."""
+    b = kv[0].shape[0]
+    if b == rows:
+        return kv
+    if b == 1:
+        return tuple(jnp.broadcast_to(x, (rows,) + x.shape[1:]) for x in kv)
+    return tuple(jnp.repeat(x, rows // b, axis=0) for x in kv)
 
 
 def _positions(offset_B1: Array, mask_BT: Array) -> Array:

@@ -137,28 +137,28 @@ def load_hf_tensors(model, get_tensor: Callable[[str], np.ndarray]) -> None:
         ValueError: a tensor has the wrong shape (named, with expected and found shapes).
     """
     cfg = model.cfg
-    values: dict[tuple[str, ...], np.ndarray] = {}
-    for e in _entries(cfg):
-        shape = tuple(_param(model, e.path).get_value().shape)
-        ours_shape = shape[1:] if e.per_layer else shape
-        if e.slot is not None:
-            ours_shape = ours_shape[:-2] + ours_shape[-1:]
-        names = [e.hf.format(i=i) for i in range(cfg.num_layers)] if e.per_layer else [e.hf]
-        parts = [_to_ours(e, _fetch(get_tensor, n, e.hf_shape), ours_shape) for n in names]
-        value = np.stack(parts) if e.per_layer else parts[0]
-        if e.slot is None:
-            values[e.path] = value
-        else:
-            # gate_proj and up_proj are two halves of one fused kernel: assemble, then write once.
-            values.setdefault(e.path, np.zeros(shape, value.dtype))[..., e.slot, :] = value
-    for path, value in values.items():
+    families: dict[tuple[str, ...], list[_Entry]] = {}
+    for e in _entries(cfg):  # gate_proj and up_proj fill the two halves of one fused kernel
+        families.setdefault(e.path, []).append(e)
+    # One parameter at a time, assembled in place and placed at once, so a load holds at most
+    # one parameter's host copy next to the placed weights (not a second copy of the model).
+    for path, entries in families.items():
         var = _param(model, path)
         current = var.get_value()
-        value = np.asarray(value).astype(current.dtype)
+        value = np.empty(current.shape, current.dtype)
+        for e in entries:
+            layers = range(cfg.num_layers) if e.per_layer else [None]
+            for i in layers:
+                out = value if i is None else value[i]
+                if e.slot is not None:
+                    out = out[..., e.slot, :]
+                name = e.hf if i is None else e.hf.format(i=i)
+                out[...] = _to_ours(e, _fetch(get_tensor, name, e.hf_shape), out.shape)
         sharding = getattr(current, "sharding", None)
         var.set_value(
             jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
         )
+        del value
 
 
 def hf_tensors(model, merge_lora: bool = True) -> dict[str, np.ndarray]:

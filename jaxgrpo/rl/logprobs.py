@@ -10,18 +10,17 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
   chunk's `[R, C, V]` block instead of storing all of them, unless all of them together take
   at most `KEEP_LOG_PROBS_BYTES` (then the backward pass reads them and skips a matmul).
 * Shared prompts. The G samples of a group have the same prompt, which is usually most of the
-  tokens. `shared_prefix_logprobs` runs the prompt once per group, keeping each layer's keys
-  and values (`forward(return_kv=True)`), and runs only the completions, each layer attending
-  the prompt's keys and values before its own (`forward(prefix_kv=...)`). Those keys and values
-  are ordinary differentiable values, so gradients from all G completions flow back into the
-  prompt pass and sum there: the LoRA (or full) gradients are those of the unshared
-  computation, which `full_sequence_logprobs` implements and the tests compare against.
-  (The prompt's keys are read per layer, not written into a cache: in a full fine-tuning
-  update, autodiff of a stacked cache that the completion pass extends copied the whole cache
-  at every layer, and the prompt pass attended the empty completion slots too.)
-  One level up, the prompts of a batch usually begin alike (a system prompt, worked
-  examples): with `shared_ids` those tokens run once for the whole batch and the prompts'
-  own tokens attend their keys and values (`jaxgrpo.rl.rollout.split_common_prefix`).
+  tokens. `shared_prefix_logprobs` runs the prompt once per group and the completions after
+  it, as segments of one pass (`Transformer.forward_segments`): at every layer the completions
+  attend the keys and values that layer computed for the prompt, before their own. Those keys
+  and values are ordinary differentiable values, so gradients from all G completions flow back
+  into the prompt and sum there: the LoRA (or full) gradients are those of the unshared
+  computation, which `full_sequence_logprobs` implements and the tests compare against. One
+  scan over the layers for all segments keeps one gradient accumulator per weight (separate
+  passes kept one each, then added them: two full copies of the gradients more in a full
+  fine-tuning update). One level up, the prompts of a batch usually begin alike (a system
+  prompt, worked examples): with `shared_ids` those tokens are a first segment of one row,
+  which the prompts' own tokens attend (`jaxgrpo.rl.rollout.split_common_prefix`).
 
 * Padding. Completions of one group differ in length, and padding every one to the longest
   scores mostly padding once a policy answers briefly. With a `Packing`
@@ -43,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models.layers import banded_mask
+from jaxgrpo.models.transformer import Segment
 from jaxgrpo.rl.packing import Packing
 from jaxgrpo.types import Array, PyTree
 
@@ -210,7 +210,7 @@ def shared_prefix_logprobs(
     each prompt.
 
     Args:
-        model: a `Transformer` (its `forward` takes `prefix_kv`).
+        model: a `Transformer` (`forward_segments`).
         prompt_ids_BP: int32 left-padded prompts, one per group.
         prompt_mask_BP: prompt validity mask.
         tokens_RT: int32 completion tokens, R = B * group_size, grouped by prompt.
@@ -237,28 +237,27 @@ def shared_prefix_logprobs(
             shared_ids,
         )
     n, t = tokens_RT.shape
-    h_BPD, prompt_kv, slots_BS, next_pos_B = _prompt_pass(
-        model, prompt_ids_BP, prompt_mask_BP, shared_ids
-    )
-    # Left padding puts every prompt's last token in the last column.
-    h_last_RD = jnp.repeat(h_BPD[:, -1], group_size, axis=0)
+    segments, slots_BS, next_pos_B = _prompt_segments(prompt_ids_BP, prompt_mask_BP, shared_ids)
     if t > 1:
-        rep = lambda x, axis: jnp.repeat(x, group_size, axis=axis)  # noqa: E731
+        rep = lambda x: jnp.repeat(x, group_size, axis=0)  # noqa: E731
         own_mask_Rt = mask_RT[:, :-1] != 0
         causal_tt = jnp.tril(jnp.ones((t - 1, t - 1), jnp.bool_))
-        prompt_RtS = jnp.broadcast_to(rep(slots_BS, 0)[:, None, :], (n, t - 1, slots_BS.shape[1]))
+        prompt_RtS = jnp.broadcast_to(rep(slots_BS)[:, None, :], (n, t - 1, slots_BS.shape[1]))
         own_Rtt = causal_tt[None] & own_mask_Rt[:, None, :]
-        positions_Rt = rep(next_pos_B, 0)[:, None] + jnp.cumsum(own_mask_Rt, axis=1) - 1
-        h_RtD = model.forward(
-            tokens_RT[:, :-1],
-            own_mask_Rt.astype(jnp.int32),
-            positions_BT=jnp.maximum(positions_Rt, 0),
-            prefix_kv=(rep(prompt_kv[0], 1), rep(prompt_kv[1], 1)),
-            attention_BTS=jnp.concatenate([prompt_RtS, own_Rtt], axis=2),
+        positions_Rt = rep(next_pos_B)[:, None] + jnp.cumsum(own_mask_Rt, axis=1) - 1
+        segments.append(
+            Segment(
+                tokens_RT[:, :-1],
+                own_mask_Rt.astype(jnp.int32),
+                jnp.maximum(positions_Rt, 0),
+                jnp.concatenate([prompt_RtS, own_Rtt], axis=2),
+                prefix=tuple(range(len(segments))),
+            )
         )
-        h_RTD = jnp.concatenate([h_last_RD[:, None], h_RtD], axis=1)
-    else:
-        h_RTD = h_last_RD[:, None]
+    h = model.forward_segments(segments)
+    # Left padding puts every prompt's last token in the last column.
+    h_last_RD = jnp.repeat(h[len(segments) - (2 if t > 1 else 1)][:, -1], group_size, axis=0)
+    h_RTD = jnp.concatenate([h_last_RD[:, None], h[-1]], axis=1) if t > 1 else h_last_RD[:, None]
     return head_token_logprobs(model, h_RTD, tokens_RT, temps_RT, chunk_size)
 
 
@@ -288,9 +287,7 @@ def packed_logprobs(
     b = prompt_ids_BP.shape[0]
     n, t = tokens_RT.shape
     width = packing.src_BL.shape[1]
-    h_BPD, prompt_kv, slots_BS, next_pos_B = _prompt_pass(
-        model, prompt_ids_BP, prompt_mask_BP, shared_ids
-    )
+    segments, slots_BS, next_pos_B = _prompt_segments(prompt_ids_BP, prompt_mask_BP, shared_ids)
 
     def to_packed(x_RT):
         return jnp.take_along_axis(x_RT.reshape(b, n // b * t), packing.src_BL, axis=1)
@@ -306,13 +303,17 @@ def packed_logprobs(
     else:
         ids_BC, seg_BC, pos_BC = ids_BL, seg_BL, pos_BL
         attention = _dense_packed_mask(seg_BL, slots_BS)
-    h_BLD = model.forward(
-        ids_BC,
-        (seg_BC >= 0).astype(jnp.int32),
-        positions_BT=next_pos_B[:, None] + pos_BC,
-        prefix_kv=prompt_kv,
-        attention_BTS=attention,
-    )[:, :width]
+    segments.append(
+        Segment(
+            ids_BC,
+            (seg_BC >= 0).astype(jnp.int32),
+            next_pos_B[:, None] + pos_BC,
+            attention,
+            prefix=tuple(range(len(segments))),
+        )
+    )
+    h = model.forward_segments(segments)
+    h_BPD, h_BLD = h[-2], h[-1][:, :width]
     # Left padding puts every prompt's last token in the last column.
     h_prev_BLD = jnp.concatenate([h_BPD[:, -1:], h_BLD[:, :-1]], axis=1)
     h_pred_BLD = jnp.where((pos_BL == 0)[..., None], h_BPD[:, -1:], h_prev_BLD)
@@ -344,40 +345,35 @@ def _dense_packed_mask(seg_BL: Array, slots_BS: Array) -> Array:
     return jnp.concatenate([prompt_BLS, own_BLL], axis=2)
 
 
-def _prompt_pass(model: Any, prompt_ids_BP: Array, prompt_mask_BP: Array, shared_1C=None):
-    """Runs the prompts: their hidden states, keys and values, and what the completions need.
+def _prompt_segments(prompt_ids_BP: Array, prompt_mask_BP: Array, shared_1C=None):
+    """The prompts as `forward_segments` segments, and what the completions' segment needs.
 
     With `shared_1C` (C > 0 tokens every prompt begins with, see
-    `jaxgrpo.rl.rollout.split_common_prefix`), that prefix runs once as one row and the
-    [B, P] prompts are what follows it: they attend its keys and values, which are broadcast
-    to every prompt (so their gradients sum over the prompts, as in the unshared pass).
+    `jaxgrpo.rl.rollout.split_common_prefix`), that prefix is a segment of one row and the
+    [B, P] prompts, what follows it, attend its keys and values at every layer (broadcast to
+    every prompt, so their gradients sum over the prompts, as in the unshared pass).
 
     Returns:
-        (h_BPD, the stacked keys and values [L, B, S, K, H] of the S = C + P prompt slots,
-        which of those slots hold tokens [B, S], the position id of each prompt's first
-        completion token [B]).
+        (segments: [shared, prompts] or [prompts], which of the S = C + P prompt slots hold
+        tokens [B, S], the position id of each prompt's first completion token [B]).
     """
     mask_BP = prompt_mask_BP.astype(jnp.int32)
     valid_BP = mask_BP != 0
     c = 0 if shared_1C is None else shared_1C.shape[1]
     if c == 0:
-        h_BPD, kv = model.forward(prompt_ids_BP, mask_BP, return_kv=True)
-        return h_BPD, kv, valid_BP, jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
+        segment = Segment(prompt_ids_BP, mask_BP)
+        return [segment], valid_BP, jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
     b, p = prompt_ids_BP.shape
-    _, shared_kv = model.forward(shared_1C, return_kv=True)
-    wide_kv = tuple(jnp.broadcast_to(x, (x.shape[0], b) + x.shape[2:]) for x in shared_kv)
     own_BPP = jnp.tril(jnp.ones((p, p), jnp.bool_))[None] & valid_BP[:, None, :]
-    h_BPD, own_kv = model.forward(
+    prompts = Segment(
         prompt_ids_BP,
         mask_BP,
-        positions_BT=c + jnp.maximum(jnp.cumsum(mask_BP, axis=1) - 1, 0),
-        prefix_kv=wide_kv,
-        attention_BTS=jnp.concatenate([jnp.ones((b, p, c), jnp.bool_), own_BPP], axis=2),
-        return_kv=True,
+        c + jnp.maximum(jnp.cumsum(mask_BP, axis=1) - 1, 0),
+        jnp.concatenate([jnp.ones((b, p, c), jnp.bool_), own_BPP], axis=2),
+        prefix=(0,),
     )
-    kv = tuple(jnp.concatenate(pair, axis=2) for pair in zip(wide_kv, own_kv, strict=True))
     slots_BS = jnp.concatenate([jnp.ones((b, c), jnp.bool_), valid_BP], axis=1)
-    return h_BPD, kv, slots_BS, c + jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
+    return [Segment(shared_1C), prompts], slots_BS, c + jnp.sum(mask_BP, axis=1, dtype=jnp.int32)
 
 
 def _compute_dtype(model: Any):

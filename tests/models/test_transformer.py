@@ -15,7 +15,7 @@ from flax import nnx
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.init import random_model
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
-from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.models.transformer import Segment, Transformer
 from jaxgrpo.models.weights import hf_tensors, load_hf_tensors
 
 torch = pytest.importorskip("torch")
@@ -127,8 +127,8 @@ def test_cached_decoding_equals_full_forward(pair, batch):
 
 @functools.partial(jax.jit, static_argnums=(3,))
 def _prefix_pass(model, ids, mask, split):
-    """Tokens [0, split) with `return_kv`, then [split, T) attending them via `prefix_kv`."""
-    h_head, prefix = model.forward(ids[:, :split], mask[:, :split], return_kv=True)
+    """Tokens [0, split) and [split, T) as two segments of one pass, the second attending the
+    first's keys and values at every layer (`forward_segments`)."""
     tail_mask = mask[:, split:] != 0
     t = ids.shape[1] - split
     causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
@@ -140,25 +140,27 @@ def _prefix_pass(model, ids, mask, split):
         axis=2,
     )
     positions = mask[:, :split].sum(1, keepdims=True) + jnp.cumsum(tail_mask, axis=1) - 1
-    h_tail = model.forward(
-        ids[:, split:], tail_mask, positions_BT=positions, prefix_kv=prefix, attention_BTS=attention
-    )
-    return model.logits(jnp.concatenate([h_head, h_tail], axis=1)), prefix
+    head = Segment(ids[:, :split], mask[:, :split])
+    tail = Segment(ids[:, split:], tail_mask, positions, attention, prefix=(0,))
+    h_head, h_tail = model.forward_segments([head, tail])
+    return model.logits(jnp.concatenate([h_head, h_tail], axis=1))
 
 
 def test_prefix_kv_pass_equals_full_forward(pair, batch):
-    """A prompt pass that returns its keys and values, then the rest attending them as a
-    prefix, reproduces the full forward (1e-5): the scoring passes' prefix sharing."""
+    """A prompt segment, then the rest attending its keys and values as a prefix, in one scan
+    over the layers, reproduces the full forward (1e-5): the scoring passes' prefix sharing.
+    A segment with a prefix but no positions, or one attending a later segment, is refused."""
     _, model, _ = pair
     ids, mask = batch
     full = np.asarray(_forward(model, ids, mask))
-    split_logits, (k, v) = _prefix_pass(model, ids, mask, 8)
-    cfg = model.cfg
-    assert k.shape == v.shape == (cfg.num_layers, 3, 8, cfg.num_kv_heads, cfg.head_dim)
+    split_logits = _prefix_pass(model, ids, mask, 8)
     valid = mask.astype(bool)
     np.testing.assert_allclose(np.asarray(split_logits)[valid], full[valid], rtol=1e-5, atol=1e-5)
+    head = Segment(ids[:, :8], mask[:, :8])
     with pytest.raises(ValueError, match="needs positions_BT and attention_BTS"):
-        model.forward(ids[:, 8:], mask[:, 8:], prefix_kv=(k, v))
+        model.forward_segments([head, Segment(ids[:, 8:], mask[:, 8:], prefix=(0,))])
+    with pytest.raises(ValueError, match="only earlier segments"):
+        model.forward_segments([Segment(ids[:, 8:], mask[:, 8:], prefix=(1,)), head])
 
 
 @functools.partial(jax.jit, static_argnums=(3,))
