@@ -128,7 +128,9 @@ def per_token_ms(seconds: dict[int, float], positions: list[int]) -> dict[int, f
     return out
 
 
-def run_ours(model, ids, mask, g: int, t: int, repeats: int, lengths: list[int]) -> dict:
+def run_ours(
+    model, ids, mask, g: int, t: int, repeats: int, lengths: list[int], cache_sizes=None
+) -> dict:
     """Fastest of ``repeats`` calls that stop every row after each of ``lengths`` tokens."""
 
     def call(length, seed=0):
@@ -143,6 +145,7 @@ def run_ours(model, ids, mask, g: int, t: int, repeats: int, lengths: list[int])
             eos_ids=(),
             max_lengths=length,
             compact_rows=0,  # every row stops at once: one program pair for every length
+            cache_sizes=cache_sizes,
         )
         out.tokens.block_until_ready()
         assert int(out.lengths.min()) == length, "every row must run `length` tokens"
@@ -187,6 +190,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-hf", action="store_true", help="time jaxgrpo only")
     parser.add_argument(
+        "--cache-sizes",
+        choices=["auto", "none"],
+        default="auto",
+        help="jaxgrpo's completion cache: grown by sizes (auto) or all T slots at once (none)",
+    )
+    parser.add_argument(
         "--positions",
         type=lambda x: [int(p) for p in x.split(",")],
         default=[32, 128, 256, 512],
@@ -220,7 +229,8 @@ def main():
     print(
         f"{'':14}{'tokens/s':>10}{'call s':>9}{'prefill s':>11}{'step ms':>9}{'x floor':>9}{head}"
     )
-    sides = [("jaxgrpo", lambda: run_ours(model, ids, mask, g, t, args.repeats, lengths))]
+    sizes = None if args.cache_sizes == "auto" else ()
+    sides = [("jaxgrpo", lambda: run_ours(model, ids, mask, g, t, args.repeats, lengths, sizes))]
     if not args.skip_hf:
         sides.append(("transformers", lambda: run_hf(hf, ids, mask, g, t, args.repeats, lengths)))
     rates = []

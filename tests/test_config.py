@@ -148,13 +148,14 @@ def test_mesh_fits_devices():
         config_lib.resolve_mesh_shape(cfg, 32)
 
 
-def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu():
+def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu_without_remat():
     def resolve(**overrides):
         return unroll_layers(
             load_config("tiny", {f"model.{k}": v for k, v in overrides.items()}).model
         )
 
-    assert resolve(lora_rank=0) and not resolve(lora_rank=8)
+    assert resolve(lora_rank=0, remat=False) and not resolve(lora_rank=8, remat=False)
+    assert not resolve(lora_rank=0), "remat (the default) keeps the scan"
     assert resolve(lora_rank=8, layer_loop="unroll") and not resolve(lora_rank=0, layer_loop="scan")
 
 
