@@ -318,7 +318,7 @@ def run_in_child(framework: str, w: Workload, lora: bool) -> dict:
 HEADER = (
     "| model | task | new tokens | variant | jaxgrpo s/step | TRL s/step | speed-up "
     "| jaxgrpo split (sample / ref / update) | TRL split | jaxgrpo tok/s | TRL tok/s "
-    "| jaxgrpo peak GB | TRL peak GB | memory ratio |"
+    "| jaxgrpo peak GiB | TRL peak GiB | memory ratio |"
 )
 SEPARATOR = "|---" * (HEADER.count(" | ") + 1) + "|"
 
