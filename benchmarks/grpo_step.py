@@ -138,7 +138,6 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
                 "task.kwargs.source": "fixture",
                 "model.dtype": "float32",
                 "model.param_dtype": "float32",
-                "model.remat": False,
                 "mesh.fsdp": 1,
             }
         )
