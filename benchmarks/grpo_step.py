@@ -101,14 +101,11 @@ def reward_spec(task: str) -> tuple:
 # The two frameworks, each in its own process.
 
 
-def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
-    """Warm-up + `w.steps` learner steps: seconds, phase split and sampling tokens/s per step."""
+def jaxgrpo_config(w: Workload, lora: bool, extra: dict | None = None):
+    """The `TrainConfig` of jaxgrpo's side of workload `w` (also `update_profile.py`'s), with
+    `extra` overrides on top."""
     from jaxgrpo.config import load_config
-    from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
-    from jaxgrpo.train import build_parts
 
-    use_cpu_xla_flags()
-    keep_freed_memory()  # as jaxgrpo's CLIs run
     name, kwargs = reward_spec(w.task)
     overrides = {
         "run_dir": tempfile.mkdtemp(),
@@ -141,7 +138,17 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
                 "mesh.fsdp": 1,
             }
         )
-    cfg = load_config(base, overrides)
+    return load_config(base, {**overrides, **(extra or {})})
+
+
+def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
+    """Warm-up + `w.steps` learner steps: seconds, phase split and sampling tokens/s per step."""
+    from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
+    from jaxgrpo.train import build_parts
+
+    use_cpu_xla_flags()
+    keep_freed_memory()  # as jaxgrpo's CLIs run
+    cfg = jaxgrpo_config(w, lora)
     learner = build_parts(cfg)["learner"]
     state = learner.init_state()
     peaks = {"loaded": _peak_mb()}

@@ -1,0 +1,133 @@
+"""Where a GRPO step's scoring passes and update spend their time and memory, on one rollout.
+
+`grpo_step.py` measures whole steps; at 512 new tokens each one samples for most of a minute
+before the passes this script isolates. It samples one rollout of `grpo_step.py`'s workload
+(or loads one saved with `--save`), then runs the learner's reference pass (`_prepare`) and
+update (`_optimize`) on it `--repeats` times after a compiling run, and prints: the
+completions' lengths, the packed layout (columns scored against real tokens), seconds per
+pass, the compiled update's memory (XLA's `memory_analysis`) and the peak RSS. Same rollout,
+so two trees or two settings compare exactly.
+
+    python benchmarks/update_profile.py --task gsm8k --new-tokens 512 --save /tmp/r512.pkl
+    python benchmarks/update_profile.py --task gsm8k --new-tokens 512 --load /tmp/r512.pkl \\
+        --variant full
+
+Run it with nothing else on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import grpo_step  # noqa: E402  (this folder's workload definitions)
+
+GB = 1e9
+
+
+def layout(learner, rollout) -> str:
+    """The packed rows' width and how much of them real tokens fill."""
+    inputs, packing, _, t = learner._batch_inputs(rollout)
+    lengths = rollout.mask.sum(axis=1)
+    totals = lengths.reshape(-1, learner.rl.group_size).sum(axis=1)
+    if packing is None:
+        cols = inputs[2].shape[0] * t
+        shape = f"unpacked rows {inputs[2].shape[0]} x {t}"
+    else:
+        rows, width = packing.src_BL.shape
+        cols, shape = rows * width, f"packed rows {rows} x {width}"
+    return (
+        f"completions: mean {lengths.mean():.0f}, max {lengths.max()} tokens; group totals "
+        f"{', '.join(str(int(x)) for x in totals)}; {shape}: {int(lengths.sum())} real tokens "
+        f"in {cols} columns ({lengths.sum() / cols:.0%})"
+    )
+
+
+def compiled_update(learner, state, batch) -> str:
+    """The compiled update's temporaries, arguments and outputs, as XLA reports them."""
+    import numpy as np
+
+    b = learner.rl.prompts_per_step
+    idx = learner._replicate(np.arange(b, dtype=np.int32).reshape(1, b), np.int32)
+    compiled = learner._update.lower(state, learner.frozen, batch, idx).compile()
+    mem = compiled.memory_analysis()
+    return (
+        f"compiled update: temporaries {mem.temp_size_in_bytes / GB:.2f} GB, arguments "
+        f"{mem.argument_size_in_bytes / GB:.2f} GB, outputs {mem.output_size_in_bytes / GB:.2f} GB"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--task", default="gsm8k", choices=["format_copy", "gsm8k"])
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--model", default="smollm2", choices=sorted(grpo_step.MODELS))
+    parser.add_argument("--variant", default="lora", choices=["lora", "full"])
+    parser.add_argument("--repeats", type=int, default=2, help="timed runs after the compiling one")
+    parser.add_argument("--save", default="", help="sample a rollout and keep it here")
+    parser.add_argument("--load", default="", help="a rollout saved with --save")
+    parser.add_argument("--set", nargs="*", default=[], help="config overrides key=value")
+    args = parser.parse_args()
+
+    from jaxgrpo.config import config_override
+    from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
+    from jaxgrpo.rl import step_metrics
+    from jaxgrpo.train import build_parts
+
+    use_cpu_xla_flags()
+    keep_freed_memory()
+    name = f"{args.model.replace(':', '_').replace('.', '')}_hf"
+    hf_dir = grpo_step.export_model(args.model, os.path.join(tempfile.gettempdir(), name))
+    w = grpo_step.Workload(args.model, args.task, args.new_tokens, steps=1, hf_dir=hf_dir)
+    extra = dict(config_override(s) for s in args.set)
+    cfg = grpo_step.jaxgrpo_config(w, args.variant == "lora", extra)
+    learner = build_parts(cfg)["learner"]
+    state = learner.init_state()
+    if args.load:
+        with open(args.load, "rb") as f:
+            rollout = pickle.load(f)
+    else:
+        examples = grpo_step.examples(w.task, w.prompts)
+        key = learner._advance(state.step, state.rng)[2]
+        t0 = time.perf_counter()
+        rollout, _ = learner._collect(state, examples, key, 0, None, step_metrics.Timer())
+        print(f"sampled in {time.perf_counter() - t0:.1f} s (with compilation)", flush=True)
+        if args.save:
+            with open(args.save, "wb") as f:
+                pickle.dump(rollout, f)
+    print(layout(learner, rollout), flush=True)
+    times: dict[str, list[float]] = {"reference": [], "update": []}
+    for i in range(args.repeats + 1):
+        timer = step_metrics.Timer()
+        batch, _ = learner._prepare(state, rollout, timer)
+        if i == 0:
+            print(compiled_update(learner, state, batch), flush=True)
+        key = learner._advance(state.step, state.rng)[3]
+        t0 = time.perf_counter()
+        state, metrics = learner._optimize(state, batch, key)
+        float(metrics["loss"])
+        update = time.perf_counter() - t0
+        print(
+            f"run {i}{' (compiles)' if i == 0 else ''}: "
+            f"reference {timer.seconds['reference']:.2f} s, update {update:.2f} s",
+            flush=True,
+        )
+        if i:
+            times["reference"].append(timer.seconds["reference"])
+            times["update"].append(update)
+    median = {k: statistics.median(v) for k, v in times.items() if v}
+    print(
+        f"median of {args.repeats}: reference {median.get('reference', 0):.2f} s, "
+        f"update {median.get('update', 0):.2f} s; peak RSS {grpo_step._peak_mb() / 1024:.2f} GiB"
+    )
+
+
+if __name__ == "__main__":
+    main()
