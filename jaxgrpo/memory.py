@@ -19,7 +19,7 @@ The estimate is arithmetic on the model's shapes, with no model built:
 * activations of one micro-batch's update, kept for the backward pass (prefix-shared: the
   prompt once per group, the completions against its repeated cache): per token and layer the
   block's inputs, q/k/v, attention output, MLP hidden and SwiGLU product, plus float32 attention
-  scores (packed completions attend in bands, ``rl.logprobs.band_width``); with ``remat`` only
+  scores (packed completions attend in bands, ``rl.logprobs.band_layout``); with ``remat`` only
   each block's input is kept, and one block is live at a time. The logits are chunked over T
   (``rl/logprobs.py``, 64 positions), float32. With fsdp > 1 the update also holds the
   embedding, the LM head and two layers' weights gathered whole over fsdp.
@@ -50,7 +50,7 @@ from jaxgrpo.presets import (
     find_architecture,
     get_preset,
 )
-from jaxgrpo.rl.logprobs import band_width
+from jaxgrpo.rl.logprobs import band_layout
 from jaxgrpo.sharding import sampling_layout
 
 _BYTES = {"float32": 4, "bfloat16": 2}
@@ -218,11 +218,11 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
     per_token = (3 * d + 2 * n * h + 2 * k * h + 3 * f / tensor) * cb
     # float32 attention scores, probabilities and the backward's score gradient (one layer
     # live): prompt queries x prompt keys, completion queries x every key. Packed, a prompt's
-    # G completions are one row of G * T queries against P + G * T keys, or against P + 2W
-    # in bands of W columns (`rl.logprobs.band_width`).
+    # G completions are one row of G * T queries against P + G * T keys, or against
+    # P + (back + 1) W in bands of W columns (`rl.logprobs.band_layout`).
     if run.packed:
-        band = band_width(t, run.group * t)
-        own = prompts * run.group * t * (run.prompt_len + (2 * band or run.group * t))
+        band, back = band_layout(t, run.group * t)
+        own = prompts * run.group * t * (run.prompt_len + ((back + 1) * band or run.group * t))
     else:
         own = rows * t * seq
     scores = 3 * 4.0 * n * (prompts * run.prompt_len**2 + own)

@@ -324,39 +324,43 @@ def attend(
 
 @flax.struct.dataclass
 class BandedMask:
-    """Which keys the queries of packed rows attend when no segment is longer than ``width``:
-    a query's own segment then lies in its block of ``width`` columns or the one before, so
-    block j attends the prompt and key blocks j-1, j only, [W, P + 2W] scores per block where
-    the dense mask would need [L, P + L] per row (the update's largest buffers).
+    """Which keys the queries of packed rows attend when no segment is longer than
+    ``back * width`` columns: a query's own segment then lies in its block of ``width`` columns
+    or the ``back`` blocks before it, so block j attends the prompt and key blocks j-back .. j
+    only, [W, P + (back + 1) W] scores per block where the dense mask would need [L, P + L] per
+    row (the update's largest buffers).
 
     Attributes:
-      own_XWV: bool [B * L / W, W, 2W]: query w of block j may attend column (j-1)W + v.
+      own_XWV: bool [B * L / W, W, (back + 1) W]: query w of block j may attend column
+        (j - back) W + v.
       prompt_BP: bool [B, P]: the prompt's real slots, which every query may attend.
       width: W.
+      back: how many earlier blocks a block attends.
     """
 
     own_XWV: Array
     prompt_BP: Array
     width: int = flax.struct.field(pytree_node=False)
+    back: int = flax.struct.field(pytree_node=False, default=1)
 
 
-def banded_mask(seg_BL: Array, prompt_BP: Array, width: int) -> BandedMask:
+def banded_mask(seg_BL: Array, prompt_BP: Array, width: int, back: int = 1) -> BandedMask:
     """The `BandedMask` of packed rows whose column c belongs to segment ``seg_BL[:, c]``
     (-1 = padding); a query attends the earlier columns of its own segment and itself.
-    L must be a multiple of ``width``, and no segment longer than it."""
+    L must be a multiple of ``width``, and no segment longer than ``back * width``."""
     b, cols = seg_BL.shape
-    blocks = cols // width
+    blocks, span = cols // width, back * width
     query_JW = jnp.arange(cols).reshape(blocks, width)
-    key_JV = query_JW[:, :1] - width + jnp.arange(2 * width)[None, :]
-    padded_BC = jnp.pad(seg_BL, ((0, 0), (width, 0)), constant_values=-1)
-    seg_key_BJV = jnp.take(padded_BC, key_JV + width, axis=1)
+    key_JV = query_JW[:, :1] - span + jnp.arange(span + width)[None, :]
+    padded_BC = jnp.pad(seg_BL, ((0, 0), (span, 0)), constant_values=-1)
+    seg_key_BJV = jnp.take(padded_BC, key_JV + span, axis=1)
     seg_query_BJW = seg_BL.reshape(b, blocks, width)
     own = (
         (seg_query_BJW[..., :, None] == seg_key_BJV[..., None, :])
         & (seg_key_BJV[..., None, :] >= 0)
         & (key_JV[:, None, :] <= query_JW[:, :, None])[None]
     )
-    return BandedMask(own.reshape(b * blocks, width, 2 * width), prompt_BP, width)
+    return BandedMask(own.reshape(b * blocks, width, span + width), prompt_BP, width, back)
 
 
 def banded_attend(
@@ -364,24 +368,25 @@ def banded_attend(
 ) -> Array:
     """`attend` for packed rows under a `BandedMask`: each block of W queries is a row of its
     own whose keys are the prompt's (``prefix_kv``, each [B, P, K, H], shared by the row's
-    blocks through `attend`'s ``prompt``) and the row's key blocks j-1 and j. [B, L, N, H]."""
+    blocks through `attend`'s ``prompt``) and the row's key blocks j-back .. j. [B, L, N, H]."""
     b, cols, n, h = q_BLNH.shape
-    w = mask.width
+    w, back = mask.width, mask.back
+    blocks = cols // w
 
-    def two_blocks(x_BLKH):  # [B, L, K, H] -> [B * L / W, 2W, K, H]
+    def block_window(x_BLKH):  # [B, L, K, H] -> [B * L / W, (back + 1) W, K, H]
         rest = x_BLKH.shape[2:]
-        prev = jnp.pad(x_BLKH, ((0, 0), (w, 0), (0, 0), (0, 0)))[:, :cols]
-        both = jnp.concatenate(
-            [prev.reshape(b, cols // w, w, *rest), x_BLKH.reshape(b, cols // w, w, *rest)], axis=2
-        )
-        return both.reshape(b * (cols // w), 2 * w, *rest)
+        padded = jnp.pad(x_BLKH, ((0, 0), (back * w, 0), (0, 0), (0, 0)))
+        shifted = [
+            padded[:, i * w : i * w + cols].reshape(b, blocks, w, *rest) for i in range(back + 1)
+        ]
+        return jnp.concatenate(shifted, axis=2).reshape(b * blocks, (back + 1) * w, *rest)
 
     pk_BPKH, pv_BPKH = prefix_kv
     prompt = (pk_BPKH.transpose(0, 2, 3, 1), pv_BPKH.transpose(0, 2, 1, 3), mask.prompt_BP)
     out = attend(
-        q_BLNH.reshape(b * (cols // w), w, n, h),
-        two_blocks(k_BLKH),
-        two_blocks(v_BLKH),
+        q_BLNH.reshape(b * blocks, w, n, h),
+        block_window(k_BLKH),
+        block_window(v_BLKH),
         mask.own_XWV,
         prompt=prompt,
     )

@@ -366,8 +366,8 @@ class Transformer(nnx.Module):
         if attention is None:
             attention = _causal(mask_BT, jnp.arange(t))
         elif isinstance(attention, BandedMask):
-            w = attention.width
-            if not seg.prefix or t % w or attention.own_XWV.shape != (b * t // w, w, 2 * w):
+            w, keys = attention.width, (attention.back + 1) * attention.width
+            if not seg.prefix or t % w or attention.own_XWV.shape != (b * t // w, w, keys):
                 raise ValueError(f"a BandedMask of width {w} needs a prefix and T = {t} blocks")
         elif attention.shape != (b, t, s):
             raise ValueError(f"attention_BTS has shape {attention.shape}, want {(b, t, s)}")

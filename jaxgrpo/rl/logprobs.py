@@ -294,12 +294,12 @@ def packed_logprobs(
 
     ids_BL, temps_BL = to_packed(tokens_RT), to_packed(temps_RT)
     seg_BL, pos_BL = packing.seg_BL, packing.pos_BL
-    band = band_width(t, width)
+    band, back = band_layout(t, width)
     if band:  # pad the row to whole blocks; the padding columns are cut off below
         extra = -width % band
         pad = lambda x, v=0: jnp.pad(x, ((0, 0), (0, extra)), constant_values=v)  # noqa: E731
         ids_BC, seg_BC, pos_BC = pad(ids_BL), pad(seg_BL, -1), pad(pos_BL)
-        attention = banded_mask(seg_BC, slots_BS, band)
+        attention = banded_mask(seg_BC, slots_BS, band, back)
     else:
         ids_BC, seg_BC, pos_BC = ids_BL, seg_BL, pos_BL
         attention = _dense_packed_mask(seg_BL, slots_BS)
@@ -327,12 +327,25 @@ def packed_logprobs(
     return to_rows(stats[0]), to_rows(stats[1])
 
 
-def band_width(t: int, width: int) -> int:
-    """The `layers.BandedMask` width for packed rows of ``width`` columns holding completions
-    of at most ``t`` tokens: the power of two >= t, or 0 (the dense mask) when the row is at
-    most two such blocks, where banding saves nothing."""
-    band = 1 << max(t - 1, 0).bit_length()
-    return band if width > 2 * band else 0
+# Blocks of queries in the banded packed attention are at least this many columns wide: each
+# block is one matmul of [W * M, H] x [H, P + (back + 1) W] per kv head, and narrower blocks
+# would trade fewer masked keys for smaller, slower matmuls.
+MIN_BAND = 128
+
+
+def band_layout(t: int, width: int) -> tuple[int, int]:
+    """(W, back) of the `layers.BandedMask` for packed rows of ``width`` columns holding
+    completions of at most ``t`` tokens, or (0, 0) for the dense mask.
+
+    With T2 the power of two >= t, blocks are W = max(T2 / 4, min(T2, MIN_BAND)) columns and
+    attend the ``back`` = T2 / W blocks before their own: T2 + W keys per query beside the
+    prompt's (2 T2 with blocks of T2, 1.6 T2 with blocks of T2 / 4). Dense when the row is no
+    wider than one such window, where banding saves nothing.
+    """
+    t2 = 1 << max(t - 1, 0).bit_length()
+    band = max(t2 // 4, min(t2, MIN_BAND))
+    back = t2 // band
+    return (band, back) if width > (back + 1) * band else (0, 0)
 
 
 def _dense_packed_mask(seg_BL: Array, slots_BS: Array) -> Array:

@@ -58,12 +58,14 @@ def pack(lengths_R: np.ndarray, group_size: int, t: int, buckets: _Widths | None
         buckets: the run's `ShapeBuckets`: L never falls below an earlier step's.
 
     Returns:
-        `Packing` with L = the power-of-two bucket (at least 16, at most G * T) of the longest
-        group's total length: with short completions a group's row is far shorter than G * T.
+        `Packing` with L = the half-octave bucket (2^k or 3 * 2^(k-1), at least 16, at most
+        G * T) of the longest group's total length: with short completions a group's row is far
+        shorter than G * T, and at most a third of the longest row is padding.
     """
     lengths_BG = np.minimum(np.asarray(lengths_R), t).reshape(-1, group_size)
     b = lengths_BG.shape[0]
-    width = bucket_length(int(lengths_BG.sum(axis=1).max(initial=1)), 16, group_size * t)
+    longest = int(lengths_BG.sum(axis=1).max(initial=1))
+    width = bucket_length(longest, 16, group_size * t, half_octaves=True)
     if buckets is not None:
         width = buckets.grow("packed", width)
     src = np.zeros((b, width), np.int32)

@@ -137,25 +137,29 @@ def test_head_vjp_equals_autodiff(keep, monkeypatch):
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
 
 
-# Packed scoring, with the dense segment mask or banded by blocks of 6 columns (the rows of
-# 16 columns pad to 3 blocks; completions are at most T = 6 tokens long).
+# Packed scoring, with the dense segment mask, banded by blocks of 6 columns that attend the
+# block before (the rows of 16 columns pad to 3 blocks; completions are at most T = 6 tokens
+# long), or by blocks of 2 columns that attend the 3 blocks before.
 PACKINGS = pytest.mark.parametrize(
-    "packed", [False, True, 6], ids=["padded", "packed", "packed-banded"]
+    "packed", [False, True, (6, 1), (2, 3)], ids=["padded", "packed", "banded", "banded-back3"]
 )
 
 
 @pytest.fixture
 def band(monkeypatch, packed):
-    """Forces `packed`'s band width (6) on the packed scoring, else the dense mask."""
-    width = packed if packed is not True else 0
-    monkeypatch.setattr(lp, "band_width", lambda t, columns: width if packed else 0)
+    """Forces `packed`'s (width, back) band layout on the packed scoring, else the dense mask."""
+    layout = packed if isinstance(packed, tuple) else (0, 0)
+    monkeypatch.setattr(lp, "band_layout", lambda t, columns: layout)
 
 
-def test_band_width_rule():
-    """Blocks of the power of two >= T, only when the packed row holds more than two."""
-    assert lp.band_width(512, 4096) == 512 and lp.band_width(500, 4000) == 512
-    assert lp.band_width(6, 16) == 0 and lp.band_width(32, 64) == 0
-    assert lp.band_width(32, 128) == 32
+def test_band_layout_rule():
+    """Blocks of the power of two T2 >= T up to 128 columns, attending the block before; for
+    longer completions blocks of max(T2 / 4, 128) attending the T2 / W blocks before; dense when
+    the row is no wider than one window."""
+    assert lp.band_layout(512, 4096) == (128, 4) and lp.band_layout(500, 4000) == (128, 4)
+    assert lp.band_layout(256, 2048) == (128, 2) and lp.band_layout(1024, 8192) == (256, 4)
+    assert lp.band_layout(6, 16) == (0, 0) and lp.band_layout(32, 64) == (0, 0)
+    assert lp.band_layout(32, 128) == (32, 1) and lp.band_layout(512, 640) == (0, 0)
 
 
 @PACKINGS
@@ -287,7 +291,7 @@ def test_split_common_prefix_shares_only_what_every_prompt_begins_with():
 def test_pack_places_every_token_once():
     lengths = np.array([3, 1, 5, 2, 2, 2])
     packing = pack(lengths, 3, 8)
-    assert packing.src_BL.shape == (2, 16)  # longest group 9 tokens -> bucket 16
+    assert packing.src_BL.shape == (2, 16)  # longest group 9 tokens -> bucket 16 (the least)
     tokens = np.arange(6 * 8).reshape(6, 8)
     packed = np.take_along_axis(tokens.reshape(2, 24), packing.src_BL, axis=1)
     valid = packing.seg_BL >= 0
@@ -299,6 +303,8 @@ def test_pack_places_every_token_once():
         assert (packing.seg_BL[n // 3, cols] == n % 3).all()
         assert (packing.unpack_NT[n, length:] == 16).all()
     assert pack(np.full(6, 8), 3, 8).src_BL.shape == (2, 24)  # 32, capped at G * T
+    # Half-octave buckets above the least: a longest group of 2,780 tokens -> 3,072, not 4,096.
+    assert pack(np.full(8, 2780 // 8 + 1), 8, 512).src_BL.shape == (1, 3072)
 
 
 def _shapes(jaxpr):
