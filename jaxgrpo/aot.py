@@ -123,7 +123,7 @@ def _state(learner: Learner) -> TrainState:
         opt_state=jax.eval_shape(learner.optimizer.init, learner._params0),
         step=scalar,
         rng=key,
-        ref_params=learner._params0 if learner.needs_ref else None,
+        ref_params=learner._params0 if learner.ref_in_state else None,
         skipped=scalar,
     )
     return jax.tree.map(lambda x, s: _abstract_like(x, s), abstract, learner.state_sh)

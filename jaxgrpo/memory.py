@@ -175,6 +175,8 @@ def estimate(
     out = {"params": (base_param_count(cfg) + lora) * pb / shard}
     out["grads"] = trainable * (2 if run.grad_accum > 1 else 1)
     out["opt_state"] = 2 * trainable
+    # LoRA: zero adapters in the state. Full fine-tuning: the initial weights ("params") are
+    # the reference, and this is the trained copy the state holds beside them.
     out["ref_params"] = trainable if run.beta > 0 else 0.0
     rows = math.ceil(run.prompts * run.group / rows_split)
     seq = run.prompt_len + run.new_tokens

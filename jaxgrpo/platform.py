@@ -91,7 +91,8 @@ def keep_freed_memory() -> bool:
     them after it. glibc serves the large ones with `mmap` (always, from worker threads, whose
     arenas hold at most 64 MB) and returns them to the kernel on free, so every execution
     page-faults its whole working set in again (the system time this costs is measured in
-    `benchmarks/README.md`). The cost is that the process keeps its peak heap.
+    `benchmarks/README.md`). The cost is that the process keeps its peak heap, until
+    `release_freed_memory` hands the free part back.
 
     It sets one malloc arena for all threads, no `mmap` allocations, and no trimming of the
     heap. Call it first thing, before JAX (or torch) starts threads: an arena a thread already
@@ -109,7 +110,31 @@ def keep_freed_memory() -> bool:
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     # -1 is SIZE_MAX to glibc's size_t threshold: never trim.
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
-    return all(mallopt(param, value) == 1 for param, value in settings)
+    global _keeping
+    _keeping = all(mallopt(param, value) == 1 for param, value in settings)
+    return _keeping
+
+
+_keeping = False  # keep_freed_memory() is in effect
+
+
+def release_freed_memory() -> bool:
+    """Hands the freed pages of the heap `keep_freed_memory` keeps back to the kernel
+    (glibc's `malloc_trim`); does nothing without it.
+
+    The kept heap only grows: what one program freed stays resident, and where the next
+    program's buffers do not fit its holes the heap grows past them, so a step's peak becomes
+    more than its largest phase. The learner calls this between the phases of a step (sampling,
+    scoring, update): each phase faults its working set in once per step (about 70 ms per GiB
+    here), and the repeated executions within a phase still reuse it (benchmarks/README.md).
+
+    Returns:
+        True if the heap was trimmed.
+    """
+    if not _keeping:
+        return False
+    ctypes.CDLL(None).malloc_trim(0)
+    return True
 
 
 def initialize_distributed(

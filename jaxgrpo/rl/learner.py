@@ -14,7 +14,9 @@ buckets compiles nothing.
 The frozen weights (the base model under LoRA) live in the `Learner`, never in the state: they
 are passed to every program and never donated, checkpointed or copied. The reference policy is
 `state.ref_params` with the same frozen weights: zero LoRA (B = 0) at the start, a snapshot of
-the policy after a reference reset, or for full fine-tuning a frozen copy of the weights.
+the policy after a reference reset, or for full fine-tuning with resets a copy of the weights.
+Full fine-tuning without resets keeps no copy: its reference is the initial weights the learner
+holds anyway (`Learner.reference`), one model's worth of memory less.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from jaxgrpo.config_checks import check_batch_layout
 from jaxgrpo.eval import held_out
 from jaxgrpo.logging import warn_once
 from jaxgrpo.models.lora import zero_lora
+from jaxgrpo.platform import release_freed_memory
 from jaxgrpo.rl import packing as packing_lib
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl import step_metrics
@@ -88,6 +91,8 @@ class Learner:
         self.schedule = make_schedule(cfg.optim, total, self.updates_per_step)
         self.optimizer = make_optimizer(cfg.optim, total, self.updates_per_step)
         self.needs_ref = self.rl.beta > 0
+        # Full fine-tuning's reference is the initial weights (`_params0`) until a reset.
+        self.ref_in_state = self.needs_ref and (self.lora or self.rl.ref_reset_every > 0)
         self.old_from = self._old_logp_source()
         self.objective = ObjectiveSpec(
             group_size=self.rl.group_size,
@@ -163,7 +168,7 @@ class Learner:
         )
 
     def _build_programs(self) -> None:
-        self.state_sh = self._state_shardings(self.needs_ref)
+        self.state_sh = self._state_shardings(self.ref_in_state)
         self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.param_sh)
         self._zero = jax.jit(zero_lora, out_shardings=self.param_sh)
         self._opt_init = jax.jit(self.optimizer.init, out_shardings=self.state_sh.opt_state)
@@ -215,7 +220,7 @@ class Learner:
         """A fresh state: initial trainable params, optimizer state, step 0, seeded RNG."""
         params = self._copy(self._params0)
         ref = None
-        if self.needs_ref:
+        if self.ref_in_state:
             ref = self._zero(params) if self.lora else self._copy(params)
         key = np.asarray(jax.random.key_data(jax.random.key(self.cfg.seed + 1)))
         return TrainState(
@@ -249,8 +254,13 @@ class Learner:
         state = self._maybe_reset_reference(state, step)
         next_step, next_rng, k_sample, k_shuffle = self._advance(state.step, state.rng)
         timer = step_metrics.Timer()
+        # Each phase's programs reuse the heap the last one freed, whose pages go back first:
+        # the step's peak is its largest phase's, not their sum (`release_freed_memory`).
+        release_freed_memory()
         rollout, draws = self._collect(state, list(examples), k_sample, step, draw, timer)
+        release_freed_memory()
         batch, extra = self._prepare(state, rollout, timer)
+        release_freed_memory()
         with timer("update"):
             state, update_metrics = self._optimize(state, batch, k_shuffle)
         state = state.replace(step=next_step, rng=next_rng)
@@ -278,6 +288,11 @@ class Learner:
         if self.rl.ref_reset_optimizer:
             state = state.replace(opt_state=self._opt_init(state.params))
         return state
+
+    def reference(self, state: TrainState) -> Any:
+        """The reference policy's trainable part: the state's, or the initial weights when
+        full fine-tuning keeps no copy (no resets)."""
+        return state.ref_params if self.ref_in_state else self._params0
 
     def sampler_kwargs(self, step: int) -> dict[str, Any]:
         """The keyword arguments of the step's `generate_from_state` call (rollouts)."""
@@ -407,7 +422,8 @@ class Learner:
         sampler_logp = put(r.logprobs[:, :t].astype(np.float32))
         ref_logp = old_logp = put(np.zeros(inputs[2].shape, np.float32))
         if self.needs_ref:
-            ref_logp = self._logprobs(state.ref_params, self.frozen, *inputs, packing, shared)[0]
+            ref = self.reference(state)
+            ref_logp = self._logprobs(ref, self.frozen, *inputs, packing, shared)[0]
         if self.old_from == "forward":
             old_logp = self._logprobs(state.params, self.frozen, *inputs, packing, shared)[0]
         elif self.old_from == "sampler":

@@ -40,8 +40,9 @@ class TrainState:
         step: int32 scalar, completed training steps (one rollout batch each).
         rng: uint32 [2] PRNG key; split once per training step.
         ref_params: the reference policy's trainable part (zero LoRA, a LoRA snapshot after a
-            reference reset, or a frozen copy of every weight for full fine-tuning); None when
-            the run needs no reference log-probs.
+            reference reset, or a copy of every weight for full fine-tuning with reference
+            resets); None when the run needs no reference log-probs or when it is the initial
+            weights (full fine-tuning without resets: `Learner.reference`).
         skipped: int32 scalar, optimizer updates skipped because of a non-finite loss or grad.
     """
 

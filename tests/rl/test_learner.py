@@ -341,7 +341,8 @@ def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
     state, metrics, _ = learner.step(state, examples)
     assert metrics["reward/std"] > 0 and metrics["grad_norm"] > 0
     p1 = host_params(state)
-    ref = [to_host(x) for x in jax.tree.leaves(state.ref_params)]
+    assert state.ref_params is None, "full fine-tuning without resets keeps no reference copy"
+    ref = [to_host(x) for x in jax.tree.leaves(learner.reference(state))]
     assert len(p1) == len(p0) == len(ref)
     moved = [float(np.abs(a - b).max()) for a, b in zip(p1, p0, strict=True)]
     assert min(moved) > 0, f"every weight must move under full fine-tuning; max |delta|: {moved}"
@@ -363,7 +364,28 @@ def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
         untouched = want == init
         np.testing.assert_allclose(got[~untouched], want[~untouched], atol=PARAM_ATOL)
         assert np.abs(got - want)[untouched].max(initial=0.0) < noise_step
-    for got, want in zip(jax.tree.leaves(state8.ref_params), p0, strict=True):
+    for got, want in zip(jax.tree.leaves(learner8.reference(state8)), p0, strict=True):
         np.testing.assert_array_equal(to_host(got), want)
     for key in ("reward/mean", "loss", "grad_norm", "entropy"):
         assert metrics8[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
+
+
+def test_full_fine_tuning_reference_reset_keeps_its_copy_in_the_state():
+    """Without resets full fine-tuning's reference is the learner's initial weights (no copy
+    in the state); with `rl.ref_reset_every` the state holds the copy, and a reset at step 1
+    makes it the policy as step 0 left it."""
+    full = {"model.lora_rank": 0, "rl.beta": 0.04, "rl.ref_reset_every": 1}
+    learner, task = make_learner({"data": 1}, jax.devices()[:1], **full)
+    assert learner.ref_in_state
+    examples = list(task.train_examples(0))[:2]
+    state = learner.init_state()
+    p0 = host_params(state)
+    for got, want in zip(jax.tree.leaves(learner.reference(state)), p0, strict=True):
+        np.testing.assert_array_equal(to_host(got), want)
+    state, _, _ = learner.step(state, examples)
+    p1 = host_params(state)
+    state, _, _ = learner.step(state, examples)  # resets the reference first
+    ref = [to_host(x) for x in jax.tree.leaves(learner.reference(state))]
+    for got, want in zip(ref, p1, strict=True):
+        np.testing.assert_array_equal(got, want)
+    assert max(float(np.abs(r - a).max()) for r, a in zip(ref, p0, strict=True)) > 0

@@ -1,0 +1,30 @@
+"""The allocator settings the CLIs run with (`jaxgrpo.platform`), in this process: conftest
+applies `keep_freed_memory` as the CLIs do."""
+
+import os
+
+import numpy as np
+import pytest
+
+from jaxgrpo import platform
+
+MIB = 1 << 20
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not platform._keeping, reason="glibc's mallopt is not available here")
+def test_release_freed_memory_returns_the_kept_heap():
+    """Freed memory stays resident under `keep_freed_memory` (the next program reuses it)
+    until `release_freed_memory` hands its pages back."""
+    size = 256 * MIB
+    block = np.ones(size, np.uint8)  # touched: resident
+    before = _rss_bytes()
+    del block
+    kept = _rss_bytes()
+    assert before - kept < size // 4, "the freed block should stay resident (kept heap)"
+    assert platform.release_freed_memory()
+    assert kept - _rss_bytes() > size * 3 // 4, "its pages should go back to the kernel"
