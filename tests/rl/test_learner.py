@@ -328,7 +328,7 @@ def test_batch_widths_only_grow_so_programs_compile_a_bounded_number_of_times():
 @pytest.mark.slow  # 60 s alone, 110 s on a busy 2-core CPU: two learners compile
 def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
     """`model.lora_rank=0` through `Learner.step`: every parameter is trainable and moves, the
-    KL reference (rl.beta > 0) is a frozen copy of the initial weights, not the trained ones,
+    KL reference (rl.beta > 0) is the initial weights (no copy in the state), not the trained ones,
     and one step on 8 devices (data=2, fsdp=2, tensor=2) equals the step on one device."""
     # Adam's epsilon at 1e-6 instead of 1e-8: see the untouched rows below.
     full = {"model.lora_rank": 0, "rl.beta": 0.04, "optim.eps": 1e-6}
