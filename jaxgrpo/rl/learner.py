@@ -156,19 +156,19 @@ class Learner:
         )  # fmt: skip
         return lambda step: np.asarray(schedules.temperatures(step, t, per_step, per_position))
 
-    def _state_shardings(self, with_ref: bool) -> TrainState:
+    def _state_shardings(self) -> TrainState:
         r = self.replicated
         return TrainState(
             params=self.param_sh,
             opt_state=opt_state_shardings(self.optimizer, self._params0, self.param_sh),
             step=r,
             rng=r,
-            ref_params=self.param_sh if with_ref else None,
+            ref_params=self.param_sh if self.ref_in_state else None,
             skipped=r,
         )
 
     def _build_programs(self) -> None:
-        self.state_sh = self._state_shardings(self.ref_in_state)
+        self.state_sh = self._state_shardings()
         self._copy = jax.jit(lambda t: jax.tree.map(jnp.copy, t), out_shardings=self.param_sh)
         self._zero = jax.jit(zero_lora, out_shardings=self.param_sh)
         self._opt_init = jax.jit(self.optimizer.init, out_shardings=self.state_sh.opt_state)
