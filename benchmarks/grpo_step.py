@@ -162,7 +162,8 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
         rows.append(row)
         print(
             f"  jaxgrpo step {i}: {row['seconds']:.2f} s  reward {m['reward/mean']:.3f}  "
-            f"length {m['completion/length_mean']:.0f}  peak {_peak_mb():.0f} MB",
+            f"length {m['completion/length_mean']:.0f}  update in {m['micro_batches']:.0f} "
+            f"micro-batch(es)  peak {_peak_mb():.0f} MB",
             flush=True,
         )
         peaks.setdefault("first_step", _peak_mb())

@@ -54,13 +54,14 @@ def compiled_update(learner, state, batch) -> str:
     """The compiled update's temporaries, arguments and outputs, as XLA reports them."""
     import numpy as np
 
-    b = learner.rl.prompts_per_step
-    idx = learner._replicate(np.arange(b, dtype=np.int32).reshape(1, b), np.int32)
+    b, u = learner.rl.prompts_per_step, learner.micro_batches(batch)
+    idx = learner._replicate(np.arange(b, dtype=np.int32).reshape(u, b // u), np.int32)
     compiled = learner._update.lower(state, learner.frozen, batch, idx).compile()
     mem = compiled.memory_analysis()
     return (
-        f"compiled update: temporaries {mem.temp_size_in_bytes / GB:.2f} GB, arguments "
-        f"{mem.argument_size_in_bytes / GB:.2f} GB, outputs {mem.output_size_in_bytes / GB:.2f} GB"
+        f"compiled update ({u} micro-batch{'es' if u > 1 else ''}): temporaries "
+        f"{mem.temp_size_in_bytes / GB:.2f} GB, arguments {mem.argument_size_in_bytes / GB:.2f} "
+        f"GB, outputs {mem.output_size_in_bytes / GB:.2f} GB"
     )
 
 

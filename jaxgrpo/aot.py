@@ -245,8 +245,10 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         f = (flops.score(cfg, b, p, n, t),) * 2
         programs.append(_compile("score (ref/old)", learner._logprobs, score, passes, f, w))
     if want("update"):
-        m = b // (rl.num_minibatches * rl.grad_accum)
-        idx = jax.ShapeDtypeStruct((rl.grad_accum, m), jnp.int32, sharding=learner.replicated)
+        u = learner.micro_batches(batch)
+        idx = jax.ShapeDtypeStruct(
+            (u, b // (rl.num_minibatches * u)), jnp.int32, sharding=learner.replicated
+        )
         shape = (b // rl.num_minibatches, p, n // rl.num_minibatches, t)
         f = flops.update(cfg, *shape), flops.update(cfg.replace(remat=False), *shape)
         args = (_state(learner), learner.frozen, batch, idx)

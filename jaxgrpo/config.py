@@ -109,6 +109,7 @@ class RLConfig:
     ppo_epochs: int
     num_minibatches: int
     grad_accum: int
+    micro_batch_columns: int
     mask_truncated: bool
     pack_completions: bool
     share_prompt_prefix: bool

@@ -177,6 +177,8 @@ def _check_rl(cfg: ConfigDict) -> None:
     _require(r.tis_cap == 0 or r.tis_cap >= 1, "rl.tis_cap", tis, r.tis_cap)
     for key in ("beta", "entropy_coef", "ref_reset_every"):
         _require(r[key] >= 0, f"rl.{key}", "must be >= 0", r[key])
+    cols = r.micro_batch_columns
+    _require(cols >= -1, "rl.micro_batch_columns", "must be -1 (auto), 0 (off) or > 0", cols)
     draws = r.dynamic_sampling_max_draws
     _require(draws >= 1, "rl.dynamic_sampling_max_draws", "must be >= 1", draws)
     if r.kl_in_reward:

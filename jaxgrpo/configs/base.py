@@ -97,6 +97,11 @@ def _rl() -> ConfigDict:
     c.ppo_epochs = 1  # optimisation passes over each sampled batch
     c.num_minibatches = 1  # optimizer updates per epoch (the batch is split into this many)
     c.grad_accum = 1  # micro-batches accumulated per optimizer update (exact global normaliser)
+    # more micro-batches than grad_accum when one would score over this many token columns
+    # (packed rows x width) per device, so the update's activations stop growing with the
+    # completions' length; -1 = auto (4096 on CPU hosts; off on TPU/GPU, where
+    # `python -m jaxgrpo.memory` sizes grad_accum ahead of the run); 0 = off
+    c.micro_batch_columns = -1
     c.mask_truncated = False  # exclude completions that hit max_new_tokens from the loss
     c.pack_completions = True  # score a group's completions end to end in one row (less padding)
     c.share_prompt_prefix = True  # score the tokens all prompts begin with once per batch

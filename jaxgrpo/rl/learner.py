@@ -53,6 +53,11 @@ from jaxgrpo.sampling import generate_from_state, schedules
 
 Draw = Callable[[int], Sequence[dict]]
 
+# `rl.micro_batch_columns = -1` on CPU hosts: token columns one micro-batch of the update scores
+# per device before the minibatch splits further (benchmarks/README.md, "Session 16": the
+# 512-token gsm8k update in 4 micro-batches of one packed row ran faster than in one of four).
+AUTO_MICRO_BATCH_COLUMNS = 4096
+
 
 class Learner:
     """Owns the compiled programs of a run and applies one training step at a time.
@@ -466,10 +471,50 @@ class Learner:
         )
         return batch, extra
 
+    def micro_batches(self, batch: ro.RolloutBatch) -> int:
+        """Micro-batches per optimizer update of `batch` (arrays or their abstract shapes).
+
+        `rl.grad_accum`, or the fewest more (a divisor of the minibatch's prompts, keeping each
+        micro-batch's sequences, and packed rows where they did, split over data x fsdp) whose
+        micro-batch scores at most `rl.micro_batch_columns` columns per device: activation
+        memory then stops growing with the completions' length. The gradient is the same
+        (every micro-batch is normalised by the whole minibatch); only the program differs.
+        """
+        rl = self.rl
+        budget = rl.micro_batch_columns
+        if budget < 0:
+            cpu = self.mesh.devices.flat[0].platform == "cpu"
+            budget = AUTO_MICRO_BATCH_COLUMNS if cpu else 0
+        if budget == 0:
+            return rl.grad_accum
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+        prompts = rl.prompts_per_step // rl.num_minibatches
+        # A row: the prompt, then its group's packed completions (or one completion).
+        width = batch.prompt_ids.shape[1] + (
+            batch.packing.src_BL.shape[1] if batch.packing is not None else batch.tokens.shape[1]
+        )
+
+        def rows(u: int) -> int:  # rows of one micro-batch
+            return prompts // u if rl.pack_completions else prompts // u * rl.group_size
+
+        def fits(u: int) -> bool:  # splits over the devices as the configured count did
+            split_rows = rows(rl.grad_accum) % shards == 0
+            sequences = prompts // u * rl.group_size
+            return sequences % shards == 0 and (not split_rows or rows(u) % shards == 0)
+
+        counts = [u for u in range(rl.grad_accum, prompts + 1) if prompts % u == 0 and fits(u)]
+        for u in counts:
+            r = rows(u)
+            if (r // shards if r % shards == 0 else r) * width <= budget:
+                return u
+        return counts[-1]
+
     def _optimize(self, state: TrainState, batch: ro.RolloutBatch, key) -> tuple[TrainState, dict]:
-        """ppo_epochs x shuffled minibatches of whole groups, each A micro-batches of M groups."""
+        """ppo_epochs x shuffled minibatches of whole groups, each U micro-batches of M groups
+        (U = `micro_batches(batch)`)."""
         b = self.rl.prompts_per_step
-        u, m = self.rl.grad_accum, b // (self.rl.num_minibatches * self.rl.grad_accum)
+        u = self.micro_batches(batch)
+        m = b // (self.rl.num_minibatches * u)
         rng = np.random.default_rng(sharding.to_host(key).astype(np.uint64).tolist())
         history: list[dict] = []
         for _ in range(self.rl.ppo_epochs):
@@ -479,7 +524,7 @@ class Learner:
                     state, self.frozen, batch, self._replicate(idx_UM, np.int32)
                 )
                 history.append(metrics)
-        return state, step_metrics.reduce_updates(history)
+        return state, {**step_metrics.reduce_updates(history), "micro_batches": float(u)}
 
     # ------------------------------------------------------------------------------------------
     # Evaluation.

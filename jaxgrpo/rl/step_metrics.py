@@ -13,6 +13,8 @@ Key names (the logger's progress bar and dead-run check read the first group):
     completion/stop_<reason>_frac    LENGTH / STOP_TOKEN / REPETITION
     entropy, loss, policy_loss, kl_loss, clip_frac{,_low,_high}, ratio_{mean,min,max},
     grad_norm, sampler_logp_gap{,_max}, update_skipped       averaged over the step's updates
+    updates, micro_batches      optimizer updates of the step; micro-batches in each
+                                (`Learner.micro_batches`)
     tokens_per_s                generated tokens per second of sampling
     flops/step_est, flops/tflops_per_s   model FLOPs of the step (2 x params per token forward,
                                 6 x forward+backward; attention ignored) and their rate

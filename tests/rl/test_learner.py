@@ -6,16 +6,20 @@ constant reward would give zero advantages and a trivially equal update).
 """
 
 import dataclasses
+import types
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from learner_helpers import count_compiles, host_params, make_learner, text_reward
+from learner_helpers import count_compiles, host_params, make_learner, run_steps, text_reward
 
+from jaxgrpo import sharding
+from jaxgrpo.config import load_config
 from jaxgrpo.data import get_task
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
+from jaxgrpo.rl.learner import Learner
 from jaxgrpo.sharding import to_host
 
 PARAM_ATOL = 1e-5  # float32; 8 devices reduce the same sums in a different order
@@ -389,3 +393,52 @@ def test_full_fine_tuning_reference_reset_keeps_its_copy_in_the_state():
     for got, want in zip(ref, p1, strict=True):
         np.testing.assert_array_equal(got, want)
     assert max(float(np.abs(r - a).max()) for r, a in zip(ref, p0, strict=True)) > 0
+
+
+def test_wide_rows_split_the_update_into_micro_batches_with_the_same_weights():
+    """`rl.micro_batch_columns` below one packed row splits the two-group update in two
+    micro-batches; the trained weights equal the unsplit update's (every micro-batch is
+    normalised by the whole minibatch), and the step reports the split."""
+    trained = {}
+    for columns in (0, 1):
+        learner, task = make_learner(
+            {"data": 1}, jax.devices()[:1], **{"rl.micro_batch_columns": columns}
+        )
+        state, history = run_steps(learner, list(task.train_examples(0))[:2], 1)
+        trained[columns] = host_params(state), history[0]
+    assert trained[0][1]["micro_batches"] == 1 and trained[1][1]["micro_batches"] == 2
+    for key in ("loss", "grad_norm", "kl/mean"):
+        assert trained[1][1][key] == pytest.approx(trained[0][1][key], rel=1e-5, abs=1e-7), key
+    for got, want in zip(trained[1][0], trained[0][0], strict=True):
+        np.testing.assert_allclose(got, want, atol=PARAM_ATOL)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "width", "want"),
+    [
+        ({"rl.micro_batch_columns": 0}, 3100, 1),  # off: rl.grad_accum
+        ({}, 3100, 4),  # auto on CPU (4096): 4 rows per device are 12,400 columns, 1 is 3,100
+        ({}, 1100, 2),  # 4 rows of 1,100 are 4,400 columns, 2 are 2,200
+        ({}, 1000, 1),  # 4 rows of 1,000 fit
+        ({"rl.micro_batch_columns": 1}, 3100, 4),  # 8 micro-batches would not split over 4
+        ({"rl.micro_batch_columns": 1, "rl.grad_accum": 2}, 100, 4),
+        # unpacked: 32 rows of 700 per device are 22,400 columns, 16 are 11,200
+        ({"rl.micro_batch_columns": 20000, "rl.pack_completions": False}, 700, 2),
+        ({"rl.micro_batch_columns": 1, "rl.pack_completions": False}, 700, 16),  # 2 per shard
+    ],
+)
+def test_micro_batches_keep_rows_split_over_the_devices(overrides, width, want):
+    """16 prompts x 8 samples on data 2 x fsdp 2: the fewest micro-batches whose rows per
+    device fit the column budget, never a count whose rows or sequences would stop splitting
+    over the 4 shards (packed rows: one per prompt; unpacked: one per completion)."""
+    base = {"run_dir": "/tmp/unused", "rl.prompts_per_step": 16, "rl.group_size": 8}
+    cfg = load_config("tiny.py", {**base, "mesh.data": 2, "mesh.fsdp": 2, **overrides})
+    mesh = sharding.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
+    learner = types.SimpleNamespace(rl=cfg.rl, mesh=mesh)
+    packed = cfg.rl.pack_completions
+    batch = types.SimpleNamespace(
+        prompt_ids=jax.ShapeDtypeStruct((16, 100), jnp.int32),
+        tokens=jax.ShapeDtypeStruct((128, width - 100), jnp.int32),
+        packing=types.SimpleNamespace(src_BL=np.zeros((16, width - 100))) if packed else None,
+    )
+    assert Learner.micro_batches(learner, batch) == want
