@@ -92,7 +92,8 @@ def keep_freed_memory() -> bool:
     arenas hold at most 64 MB) and returns them to the kernel on free, so every execution
     page-faults its whole working set in again (the system time this costs is measured in
     `benchmarks/README.md`). The cost is that the process keeps its peak heap, until
-    `release_freed_memory` hands the free part back.
+    `release_freed_memory` hands the free part back; that also runs after every compilation,
+    so the compiler's working memory does not stay under the new program's first run.
 
     It sets one malloc arena for all threads, no `mmap` allocations, and no trimming of the
     heap. Call it first thing, before JAX (or torch) starts threads: an arena a thread already
@@ -112,10 +113,30 @@ def keep_freed_memory() -> bool:
     settings = ((_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, -1))
     global _keeping
     _keeping = all(mallopt(param, value) == 1 for param, value in settings)
+    if _keeping:
+        _release_after_compiles()
     return _keeping
 
 
+def _release_after_compiles() -> None:
+    """Trims the heap each time XLA finishes compiling a program (registered once)."""
+    from jax import monitoring
+
+    global _listening
+    if _listening:
+        return
+    _listening = True
+
+    def listener(event: str, duration: float, **_) -> None:
+        del duration
+        if event == "/jax/core/compile/backend_compile_duration":
+            release_freed_memory()
+
+    monitoring.register_event_duration_secs_listener(listener)
+
+
 _keeping = False  # keep_freed_memory() is in effect
+_listening = False  # _release_after_compiles() has registered its listener
 
 
 def release_freed_memory() -> bool:

@@ -3,6 +3,8 @@ applies `keep_freed_memory` as the CLIs do."""
 
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -28,3 +30,16 @@ def test_release_freed_memory_returns_the_kept_heap():
     assert before - kept < size // 4, "the freed block should stay resident (kept heap)"
     assert platform.release_freed_memory()
     assert kept - _rss_bytes() > size * 3 // 4, "its pages should go back to the kernel"
+
+
+@pytest.mark.skipif(not platform._keeping, reason="glibc's mallopt is not available here")
+def test_compiling_a_program_returns_the_kept_heap():
+    """A compilation ends with the kept heap trimmed, so the compiler's working memory does not
+    stay resident under the program's first run."""
+    size = 256 * MIB
+    block = np.ones(size, np.uint8)
+    del block
+    kept = _rss_bytes()
+    offset = float(np.random.default_rng().integers(1 << 30))  # a program no cache holds
+    jax.jit(lambda x: x * 3.0 + offset)(jnp.ones(7)).block_until_ready()
+    assert kept - _rss_bytes() > size * 3 // 4, "the freed block should go back after compiling"
