@@ -497,8 +497,9 @@ class Learner:
         def rows(u: int) -> int:  # rows of one micro-batch
             return prompts // u if rl.pack_completions else prompts // u * rl.group_size
 
+        split_rows = rows(rl.grad_accum) % shards == 0  # the configured count splits its rows
+
         def fits(u: int) -> bool:  # splits over the devices as the configured count did
-            split_rows = rows(rl.grad_accum) % shards == 0
             sequences = prompts // u * rl.group_size
             return sequences % shards == 0 and (not split_rows or rows(u) % shards == 0)
 
