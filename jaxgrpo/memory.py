@@ -7,9 +7,11 @@ The estimate is arithmetic on the model's shapes, with no model built:
 
 * parameters: the exact element count of ``jaxgrpo.models.transformer.Transformer`` (plus LoRA
   A and B), divided evenly over ``fsdp * tensor`` as ``sharding.TRAIN_RULES`` split them;
-* trainable state: gradients (twice with gradient accumulation: the running sum and the
-  micro-batch's), AdamW's two moments in the parameter dtype, and the reference policy's
-  trainable part when ``beta > 0`` (zero LoRA, or a full copy for full fine-tuning);
+* trainable state: gradients (with gradient accumulation, the running sum and the
+  micro-batch's; full fine-tuning adds the layers' share in place, so only the embedding, head
+  and final norm hold a second one), AdamW's two moments in the parameter dtype, and the
+  reference policy's trainable part when ``beta > 0`` (zero LoRA, or a full copy for full
+  fine-tuning);
 * KV cache of sampling: ``2 * L * rows * (P + T) * K * H`` in the compute dtype, rows =
   ``prompts_per_step * group_size / (data * fsdp)``, K split over ``tensor``;
 * the sampler's weights: the decode program reshards the weights to
@@ -77,8 +79,13 @@ def base_param_count(cfg: ModelConfig) -> int:
     layer += (n + 2 * k) * h if cfg.qkv_bias else 0
     layer += d if cfg.o_bias else 0
     layer += 2 * h if cfg.qk_norm else 0
-    embed = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    return cfg.num_layers * layer + embed + d
+    return cfg.num_layers * layer + outside_layers_param_count(cfg)
+
+
+def outside_layers_param_count(cfg: ModelConfig) -> int:
+    """Elements of the weights outside the stacked layers: embedding, LM head, final norm."""
+    d = cfg.hidden_size
+    return cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + d
 
 
 def lora_param_count(cfg: ModelConfig) -> int:
@@ -173,7 +180,10 @@ def estimate(
     lora = lora_param_count(cfg)
     trainable = (lora if cfg.lora else base_param_count(cfg)) * pb / shard
     out = {"params": (base_param_count(cfg) + lora) * pb / shard}
-    out["grads"] = trainable * (2 if run.grad_accum > 1 else 1)
+    # Over micro-batches, a second gradient sits beside the running sum; full fine-tuning adds
+    # the stacked layers' share into the sum in place (`jaxgrpo.models.accumulate`).
+    second = trainable if cfg.lora else outside_layers_param_count(cfg) * pb / shard
+    out["grads"] = trainable + (second if run.grad_accum > 1 else 0.0)
     out["opt_state"] = 2 * trainable
     # LoRA: zero adapters in the state. Full fine-tuning: the initial weights ("params") are
     # the reference, and this is the trained copy the state holds beside them.

@@ -40,13 +40,15 @@ def text_reward(prompts, completions, **_):
 def make_learner(mesh_shape: dict, devices=None, reward=text_reward, **overrides):
     """(learner, format_copy task) for tiny.py with beta 0.04 and `reward`, on a mesh of
     `devices`; `overrides` are config keys (`"rl.grad_accum": 2`). LoRA adapters as the config
-    says, none with `model.lora_rank=0` (as `jaxgrpo.train` builds the model)."""
+    says, none with `model.lora_rank=0` (as `jaxgrpo.train` builds the model); the layers
+    unrolled with `model.layer_loop="unroll"`."""
     base = {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1}
     cfg = load_config("tiny.py", {**base, **overrides})
     mesh = sharding.make_mesh(mesh_shape, devices=devices)
     rank = cfg.model.lora_rank
     lora = LoRAConfig(rank=rank, alpha=cfg.model.lora_alpha) if rank else None
-    model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh)
+    unroll = cfg.model.layer_loop == "unroll"
+    model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh, unroll_layers=unroll)
     task = get_task("format_copy")
     return Learner(cfg, model, tokenizer, task, RewardSet([(reward, 1.0)]), mesh), task
 

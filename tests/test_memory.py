@@ -56,7 +56,8 @@ def test_param_bytes_equal_the_model_shapes(name):
 @pytest.mark.parametrize("name", ["llama", "qwen3_lora"])
 def test_optimizer_state_bytes_equal_adamw_init(name):
     """AdamW moments over the trainable part; the estimate omits only the step counters
-    (one int32 scalar per moment transform), so the difference is at most 16 bytes."""
+    (one int32 scalar per moment transform), so the difference is at most 16 bytes. Gradients
+    and the reference's trainable part equal the real trees."""
     from jaxgrpo.config import load_config
     from jaxgrpo.rl.train_state import make_optimizer
 
@@ -69,6 +70,11 @@ def test_optimizer_state_bytes_equal_adamw_init(name):
     assert 0 <= nbytes(opt_state) - est["opt_state"] <= 16
     assert est["ref_params"] == nbytes(trainable)
     assert est["grads"] == nbytes(trainable)
+    # Over micro-batches a second gradient: LoRA's whole, full fine-tuning's outside the layers
+    # (their share is added into the running sum in place).
+    second = nbytes(trainable) if cfg.lora else nbytes(trainable) - nbytes(trainable["layers"])
+    accumulating = memory.estimate(cfg, run.with_grad_accum(2))
+    assert accumulating["grads"] == nbytes(trainable) + second
 
 
 def test_kv_cache_bytes_equal_init_cache():

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.models.accumulate import scan_adding_gradients
 from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.decode import (
     DecodeLayer,
@@ -305,7 +306,9 @@ class Transformer(nnx.Module):
         """
         return self.forward_segments([Segment(ids_BT, mask_BT, positions_BT, attention_BTS)])[0]
 
-    def forward_segments(self, segments: Sequence[Segment]) -> list[Array]:
+    def forward_segments(
+        self, segments: Sequence[Segment], layer_grad_acc: nnx.State | None = None
+    ) -> list[Array]:
         """Several token segments through one scan over the layers, without a cache.
 
         Segment j attends, at every layer, the keys and values that layer computed for the
@@ -314,6 +317,11 @@ class Transformer(nnx.Module):
         prompt's own tokens attending it, then the completions attending both, as three
         segments. One scan (not one per segment) means one gradient accumulator per weight in
         the backward pass, and with remat one saved input per layer and segment.
+
+        `layer_grad_acc` (the stacked layers' state, e.g. a gradient accumulator) is added
+        into the layers' gradient in place as the backward pass produces it
+        (`jaxgrpo.models.accumulate.scan_adding_gradients`); every weight of the layers must
+        then be differentiated, and this pass must be the only use of them.
 
         Returns:
             Each segment's final-normed hidden states [B_j, T_j, D] in the compute dtype.
@@ -341,12 +349,16 @@ class Transformer(nnx.Module):
                     x_BTD, cos, sin, mask, prefix_kv=prefix, emit_kv=j in needs_kv, ctx=ctx
                 )
                 out.append(x_BTD)
-            return tuple(out), None
+            return tuple(out)
 
         if self.cfg.remat:
             body = jax.checkpoint(body)
         unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
-        xs, _ = jax.lax.scan(body, tuple(x[0] for x in inputs), state, unroll=unroll)
+        init = tuple(x[0] for x in inputs)
+        if layer_grad_acc is None:
+            xs, _ = jax.lax.scan(lambda c, x: (body(c, x), None), init, state, unroll=unroll)
+        else:
+            xs = scan_adding_gradients(body, init, state, layer_grad_acc, unroll=unroll)
         return [self.final_norm(x_BTD) for x_BTD in xs]
 
     def _segment_inputs(self, j: int, seg: Segment, segments: Sequence[Segment]) -> tuple:

@@ -190,6 +190,7 @@ class Learner:
             frozen_sh=self.frozen_sh,
             batch_sh=batch_sh,
             idx_sh=self.replicated,
+            accumulating_loss=True,
         )
 
     def _batch_shardings(self) -> ro.RolloutBatch:

@@ -202,6 +202,7 @@ def shared_prefix_logprobs(
     chunk_size: int = 64,
     packing: Packing | None = None,
     shared_ids: Array | None = None,
+    layer_grad_acc: Any = None,
 ) -> tuple[Array, Array]:
     """Prefix-shared scoring: each prompt runs once, its G completions against its KV cache.
 
@@ -221,6 +222,8 @@ def shared_prefix_logprobs(
         packing: score each group's completions packed into one row (see `packed_logprobs`).
         shared_ids: int32 [1, C] tokens that precede every prompt, run once for the whole
             batch (`jaxgrpo.rl.rollout.split_common_prefix`); None or C = 0: none.
+        layer_grad_acc: added into the layers' gradient as the backward pass produces it
+            (`Transformer.forward_segments`).
 
     Returns:
         (logp_RT, entropy_RT), float32.
@@ -235,6 +238,7 @@ def shared_prefix_logprobs(
             packing,
             chunk_size,
             shared_ids,
+            layer_grad_acc,
         )
     n, t = tokens_RT.shape
     segments, slots_BS, next_pos_B = _prompt_segments(prompt_ids_BP, prompt_mask_BP, shared_ids)
@@ -254,7 +258,7 @@ def shared_prefix_logprobs(
                 prefix=tuple(range(len(segments))),
             )
         )
-    h = model.forward_segments(segments)
+    h = model.forward_segments(segments, layer_grad_acc)
     # Left padding puts every prompt's last token in the last column.
     h_last_RD = jnp.repeat(h[len(segments) - (2 if t > 1 else 1)][:, -1], group_size, axis=0)
     h_RTD = jnp.concatenate([h_last_RD[:, None], h[-1]], axis=1) if t > 1 else h_last_RD[:, None]
@@ -270,6 +274,7 @@ def packed_logprobs(
     packing: Packing,
     chunk_size: int = 64,
     shared_ids: Array | None = None,
+    layer_grad_acc: Any = None,
 ) -> tuple[Array, Array]:
     """Prefix-shared scoring with each group's completions packed end to end in one row.
 
@@ -312,7 +317,7 @@ def packed_logprobs(
             prefix=tuple(range(len(segments))),
         )
     )
-    h = model.forward_segments(segments)
+    h = model.forward_segments(segments, layer_grad_acc)
     h_BPD, h_BLD = h[-2], h[-1][:, :width]
     # Left padding puts every prompt's last token in the last column.
     h_prev_BLD = jnp.concatenate([h_BPD[:, -1:], h_BLD[:, :-1]], axis=1)

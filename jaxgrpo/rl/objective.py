@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.models.accumulate import add_into_gradient
 from jaxgrpo.rl.logprobs import shared_prefix_logprobs
 from jaxgrpo.rl.losses import loss_normalizers, policy_loss, truncated_is_weights
 from jaxgrpo.rl.rollout import RolloutBatch
@@ -79,6 +80,21 @@ def _masked_mean(x_RT: Array, mask_RT: Array) -> Array:
     return jnp.sum(x_RT * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
+def fold_accumulator(params: nnx.State, frozen: nnx.State, grad_acc: nnx.State | None):
+    """(`params`, the layers' accumulator): `params` whose gradient comes out with `grad_acc`
+    added. When every layer weight is trainable (full fine-tuning), the stacked layers'
+    share is added inside the layer scan's backward loop, in place
+    (`Transformer.forward_segments`), and returned for it; otherwise every leaf is folded
+    here (`add_into_gradient`) and the layers' share is None."""
+    if grad_acc is None:
+        return params, None
+    if "layers" not in params or ("layers" in frozen and jax.tree.leaves(frozen["layers"])):
+        return add_into_gradient(params, grad_acc), None
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    folded = add_into_gradient(rest, {k: grad_acc[k] for k in rest})
+    return nnx.State({**folded, "layers": params["layers"]}), grad_acc["layers"]
+
+
 def make_loss_fn(
     graphdef: nnx.GraphDef, spec: ObjectiveSpec
 ) -> Callable[[PyTree, PyTree, RolloutBatch, Array, Array], tuple[Array, dict[str, Array]]]:
@@ -91,16 +107,18 @@ def make_loss_fn(
     Returns:
         The micro-batch loss over groups `idx_M` [M], normalised by the whole minibatch
         `idx_UM` [U, M] (U micro-batches of M groups each, U = grad_accum); differentiable in
-        `params`.
+        `params`. Given `grad_acc` (a gradient accumulator shaped like `params`), its
+        gradient comes out with `grad_acc` added (`fold_accumulator`).
     """
     g = spec.group_size
 
-    def loss_fn(params, frozen, batch: RolloutBatch, idx_M, idx_UM):
+    def loss_fn(params, frozen, batch: RolloutBatch, idx_M, idx_UM, grad_acc=None):
         rows = group_rows(idx_M, g)
 
         def take(x, index):
             return jnp.take(x, index, axis=0)
 
+        params, layer_acc = fold_accumulator(params, frozen, grad_acc)
         model = nnx.merge(graphdef, params, frozen)
         mask = take(batch.mask, rows)
         packing = None if batch.packing is None else batch.packing.take(idx_M, rows)
@@ -115,6 +133,7 @@ def make_loss_fn(
             chunk_size=spec.chunk_size,
             packing=packing,
             shared_ids=batch.shared_ids,
+            layer_grad_acc=layer_acc,
         )
         sampler_logp = take(batch.sampler_logp, rows)
         old_logp = take(batch.old_logp, rows) if spec.use_old_logp else None

@@ -194,13 +194,17 @@ def make_update_fn(
     frozen_sh: Any,
     batch_sh: Any,
     idx_sh: Any,
+    accumulating_loss: bool = False,
 ) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
     """Builds the jitted update: accumulate grads over micro-batches, clip, AdamW, guard.
 
     `loss_fn(params, frozen, batch, idx_M, idx_UM)` returns `(loss, metrics)` for the
     micro-batch of groups `idx_M` drawn from the whole rollout `batch`. It must normalise by the
     whole minibatch `idx_UM` (the losses' global normaliser), so the sum of micro-batch losses
-    and gradients equals the full minibatch's and accumulation is exact.
+    and gradients equals the full minibatch's and accumulation is exact. With
+    `accumulating_loss`, it takes the accumulator as a sixth argument and its gradient comes
+    out with the accumulator added (`jaxgrpo.rl.objective.fold_accumulator`), so no
+    micro-batch holds its own gradient beside the accumulator.
 
     Args:
         loss_fn: the micro-batch loss, differentiable in `params`.
@@ -209,6 +213,7 @@ def make_update_fn(
         frozen_sh: shardings of the frozen parameters.
         batch_sh: shardings of the rollout batch.
         idx_sh: sharding of the [U, M] group-index array (replicated; metrics use it too).
+        accumulating_loss: `loss_fn` adds the accumulator into its own gradient.
 
     Returns:
         `update(state, frozen, batch, idx_UM) -> (state, metrics)`, jitted with `state`
@@ -221,8 +226,11 @@ def make_update_fn(
 
     def micro_step(params, frozen, batch, idx_UM, carry, idx_M):
         grads_acc, loss_acc = carry
-        (loss, metrics), grads = grad_fn(params, frozen, batch, idx_M, idx_UM)
-        grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
+        if accumulating_loss:
+            (loss, metrics), grads_acc = grad_fn(params, frozen, batch, idx_M, idx_UM, grads_acc)
+        else:
+            (loss, metrics), grads = grad_fn(params, frozen, batch, idx_M, idx_UM)
+            grads_acc = jax.tree.map(jnp.add, grads_acc, grads)
         return (grads_acc, loss_acc + loss), metrics
 
     def gradients(params, frozen, batch, idx_UM):

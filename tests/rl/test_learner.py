@@ -19,7 +19,9 @@ from jaxgrpo.config import load_config
 from jaxgrpo.data import get_task
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
+from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.learner import Learner
+from jaxgrpo.rl.objective import make_loss_fn
 from jaxgrpo.sharding import to_host
 
 PARAM_ATOL = 1e-5  # float32; 8 devices reduce the same sums in a different order
@@ -442,3 +444,44 @@ def test_micro_batches_keep_rows_split_over_the_devices(overrides, width, want):
         packing=types.SimpleNamespace(src_BL=np.zeros((16, width - 100))) if packed else None,
     )
     assert Learner.micro_batches(learner, batch) == want
+
+
+@pytest.mark.parametrize(
+    "variant",
+    [{}, {"model.lora_rank": 0}, {"model.lora_rank": 0, "model.layer_loop": "unroll"}],
+    ids=["lora", "full", "full-unrolled"],
+)
+def test_micro_batch_gradients_add_into_the_accumulator_inside_the_backward_pass(variant):
+    """The policy loss given an accumulator returns, as its gradient, the accumulator plus its
+    own (`fold_accumulator`; full fine-tuning adds the layers' share inside the layer scan):
+    two micro-batches chained this way give the one-batch gradient of the two groups
+    (float32; summed in another order, so rtol 1e-5)."""
+    learner, task = make_learner({"data": 1}, jax.devices()[:1], **variant)
+    state = learner.init_state()
+    rollout, _ = learner._collect(
+        state, list(task.train_examples(0))[:2], jax.random.key(0), 0, None, step_metrics.Timer()
+    )
+    batch, _ = learner._prepare(state, rollout)
+    # Nudge every weight (LoRA's B starts at zero, which would leave A without a gradient).
+    leaves, treedef = jax.tree.flatten(state.params)
+    keys = jax.random.split(jax.random.key(1), len(leaves))
+    nudged = [
+        x + 1e-2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
+    ]
+    params = treedef.unflatten(nudged)
+    loss_fn = make_loss_fn(learner.graphdef, learner.objective)
+    grad = jax.jit(jax.grad(lambda p, *a: loss_fn(p, learner.frozen, batch, *a)[0]))
+    whole = jnp.array([[0, 1]], jnp.int32)
+    want = grad(params, whole[0], whole)
+    split = jnp.array([[0], [1]], jnp.int32)
+    acc = jax.tree.map(jnp.zeros_like, params)
+    for idx_M in split:
+        acc = grad(params, idx_M, split, acc)
+    leaves = jax.tree_util.tree_leaves_with_path(acc)
+    assert len(leaves) == len(jax.tree.leaves(want))
+    for (path, got), w in zip(leaves, jax.tree.leaves(want), strict=True):
+        scale = float(np.abs(w).max())
+        assert scale > 0, jax.tree_util.keystr(path)
+        np.testing.assert_allclose(
+            got, w, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path)
+        )
