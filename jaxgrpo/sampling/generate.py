@@ -165,7 +165,10 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
     def decode_fn(states, state, knobs) -> SamplingState:
         model = _sampling_model(graphdef, states, model_cfg)
         state = _rows_to(state, model.shard_ctx)
-        return decode(_decode_step_fn(model), None, state, knobs, cfg)
+        state = decode(_decode_step_fn(model), None, state, knobs, cfg)
+        # A grown cache is not returned: as a result its full-size buffers would be allocated
+        # for the whole program, beside the smaller sizes the first loops run with.
+        return state.replace(cache=None) if cfg.cache_sizes else state
 
     # The loop updates the donated cache in place; a growing cache is new buffers at every
     # size, so donating its first, smallest one would save nothing (and XLA would warn).
