@@ -70,11 +70,13 @@ def test_optimizer_state_bytes_equal_adamw_init(name):
     assert 0 <= nbytes(opt_state) - est["opt_state"] <= 16
     assert est["ref_params"] == nbytes(trainable)
     assert est["grads"] == nbytes(trainable)
-    # Over micro-batches a second gradient: LoRA's whole, full fine-tuning's outside the layers
-    # (their share is added into the running sum in place).
+    # Over micro-batches a second gradient; with unrolled layers, full fine-tuning's only
+    # outside them (their share is added into the running sum in place).
+    run2 = run.with_grad_accum(2)
+    assert memory.estimate(cfg, run2)["grads"] == 2 * nbytes(trainable)
     second = nbytes(trainable) if cfg.lora else nbytes(trainable) - nbytes(trainable["layers"])
-    accumulating = memory.estimate(cfg, run.with_grad_accum(2))
-    assert accumulating["grads"] == nbytes(trainable) + second
+    unrolled = memory.estimate(cfg.replace(unroll_layers=True), run2)
+    assert unrolled["grads"] == nbytes(trainable) + second
 
 
 def test_kv_cache_bytes_equal_init_cache():

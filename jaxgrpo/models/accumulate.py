@@ -12,7 +12,9 @@ the loss fold the accumulator into its own gradient instead:
   so the stacked layers' gradient is never a buffer of its own.
 
 Both are used by the policy loss when `make_update_fn` accumulates over micro-batches
-(`jaxgrpo.rl.objective.make_loss_fn`).
+(`jaxgrpo.rl.objective.make_loss_fn`); the learner does so with unrolled layers only (full
+fine-tuning on CPU): in a sharded layer scan the custom backward stacks per-layer residuals
+that JAX's own scan keeps once (benchmarks/README.md, "Session 17").
 """
 
 from __future__ import annotations
