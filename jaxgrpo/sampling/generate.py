@@ -3,10 +3,10 @@
 Two programs are compiled per shape bucket (B, P, T) and static settings: ``prefill`` (the
 prompts once through the scanned layers, their cache split per layer and kept once per prompt as
 the shared prompt part of a ``LayerKVCache``, token 0)
-and ``decode`` (the per-layer decode weights prepared once, then the ``while_loop``s: one per
-completion-cache size, the cache grown between them, then one per compaction level; the state
-is updated in place). Both take the model state as a pure pytree; the
-``graphdef`` is closed over (never passed as data) and the jitted pair is cached per
+and ``decode`` (the per-layer decode weights prepared once, the completion cache made, then the
+``while_loop``s: one per completion-cache size, the cache grown between them, then one per
+compaction level; the loop state is updated in place). Both take the model state as a pure
+pytree; the ``graphdef`` is closed over (never passed as data) and the jitted pair is cached per
 (graphdef, model config, static settings), so a second call with the same shapes compiles
 nothing, whatever the temperature, top-p or min-p.
 """
@@ -51,19 +51,20 @@ class SampleOutput:
     steps: Array
 
 
-def _prefill_step_fn(graphdef: nnx.GraphDef, new_tokens: int):
+def _prefill_step_fn(graphdef: nnx.GraphDef):
     """``(states, ids_BP, mask_BP, cache) -> (last logits_BV, LayerKVCache)``: the prompts.
 
     The prompt pass scans the stacked layers into a ``KVCache`` of P slots (one pass, compiled
-    once per layer), which becomes the shared prompt part of the per-layer decode cache, with
-    ``new_tokens`` empty completion slots per row.
+    once per layer), which becomes the shared prompt part of the per-layer decode cache. Its
+    completion part has no slots yet: the decode program makes them, so the empty cache is
+    not an output held beside the decode program's own copy while it runs.
     """
 
     def step_fn(states, ids_BT, mask_BT, cache):
         model = nnx.merge(graphdef, *states)
         h_BTD, cache = model.prefill(ids_BT, mask_BT, cache)
         # Only the last position is needed: never build [B, P, V] logits for the prompt.
-        cache = LayerKVCache.from_prompt(cache, new_tokens, stacked=model.scans_decode)
+        cache = LayerKVCache.from_prompt(cache, 0, stacked=model.scans_decode)
         return model.logits(h_BTD[:, -1:, :])[:, 0, :], cache
 
     return step_fn
@@ -148,32 +149,29 @@ def _rows_to(state: SamplingState, ctx: sharding.ShardingCtx | None) -> Sampling
 def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: str):
     """Jitted (prefill, decode) pair for one model structure and static loop settings.
 
-    ``prefill(states, ids_BP, mask_BP, knobs, rng) -> SamplingState`` and
-    ``decode(states, state, knobs) -> SamplingState`` (``state`` donated unless the cache
-    grows); public so that
-    benchmarks can time the two programs separately.
+    ``prefill(states, ids_BP, mask_BP, knobs, rng) -> SamplingState`` (its cache: the prompt
+    part, no completion slots) and ``decode(states, state, knobs) -> SamplingState`` (no
+    cache); public so that benchmarks can time the two programs separately.
     """
 
     def prefill_fn(states, ids_BP, mask_BP, knobs, rng) -> SamplingState:
         batch, prompt_len = ids_BP.shape
         ctx = nnx.merge(graphdef, *states).shard_ctx
         cache = init_cache(model_cfg, batch, prompt_len, cache_dtype).constrain(ctx)
-        step_fn = _prefill_step_fn(graphdef, cfg.first_cache_size)
+        step_fn = _prefill_step_fn(graphdef)
         state = prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
         return state.replace(cache=state.cache.constrain(ctx))
 
     def decode_fn(states, state, knobs) -> SamplingState:
         model = _sampling_model(graphdef, states, model_cfg)
+        state = state.replace(cache=state.cache.grow(cfg.first_cache_size))
         state = _rows_to(state, model.shard_ctx)
         state = decode(_decode_step_fn(model), None, state, knobs, cfg)
-        # A grown cache is not returned: as a result its full-size buffers would be allocated
-        # for the whole program, beside the smaller sizes the first loops run with.
-        return state.replace(cache=None) if cfg.cache_sizes else state
+        # The cache is not returned: as an output its full-size buffers would be allocated for
+        # the whole program, beside the smaller sizes the first loops run with.
+        return state.replace(cache=None)
 
-    # The loop updates the donated cache in place; a growing cache is new buffers at every
-    # size, so donating its first, smallest one would save nothing (and XLA would warn).
-    donate = () if cfg.cache_sizes else (1,)
-    return jax.jit(prefill_fn), jax.jit(decode_fn, donate_argnums=donate)
+    return jax.jit(prefill_fn), jax.jit(decode_fn)
 
 
 def compiled_programs() -> int:

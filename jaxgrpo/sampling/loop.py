@@ -110,7 +110,7 @@ class Knobs:
 
 @flax.struct.dataclass
 class SamplingState:
-    """Loop carry of the decode ``while_loop`` (donated between prefill and decode).
+    """Loop carry of the decode ``while_loop``s, from prefill to decode.
 
     Attributes:
       step: int32 scalar; index of the next completion position to sample.

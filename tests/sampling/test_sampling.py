@@ -363,6 +363,29 @@ def test_growing_cache_equals_the_full_forward_and_the_fixed_cache(tiny, compact
     np.testing.assert_allclose(np.asarray(grown.logprobs)[m], ref_tok[m], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("cache_sizes", [(), None])
+def test_the_completion_cache_is_made_and_dropped_inside_decode(tiny, cache_sizes):
+    """The prefill program hands decode the prompt cache with no completion slots, and decode
+    returns no cache: as either program's output, the completion cache would stay allocated
+    beside the decode loop's own for the whole decode program."""
+    from flax import nnx
+
+    from jaxgrpo.sampling.generate import sampler_programs
+
+    model, ids, mask = tiny
+    graphdef, state = nnx.split(model)
+    kw = dict(max_new_tokens=6, num_samples=2, temperature=1.0, cache_sizes=cache_sizes)
+    prefill, decode, knobs = sampler_programs(graphdef, model.cfg, ids, **kw)
+    ids, mask = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)
+    prompted = prefill((state,), ids, mask, knobs, jax.random.key(0))
+    assert {x.shape[-1] for x in jax.tree.leaves(prompted.cache.k)} == {0}
+    assert {x.shape[-2] for x in jax.tree.leaves(prompted.cache.v)} == {0}
+    assert prompted.cache.mask.shape == (2 * ids.shape[0], 0)
+    assert {x.shape[-1] for x in jax.tree.leaves(prompted.cache.prompt_k)} == {ids.shape[1]}
+    done = decode((state,), prompted, knobs)
+    assert done.cache is None and int(done.step) == 6
+
+
 def test_cache_sizes_default_and_checks():
     """Completions of at most CACHE_STEP tokens keep one size; longer ones grow by CACHE_STEP;
     sizes must increase and end at T; a cache never shrinks."""
