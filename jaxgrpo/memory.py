@@ -181,9 +181,9 @@ def estimate(
     trainable = (lora if cfg.lora else base_param_count(cfg)) * pb / shard
     out = {"params": (base_param_count(cfg) + lora) * pb / shard}
     # Over micro-batches, a second gradient sits beside the running sum; full fine-tuning with
-    # unrolled layers adds their share into the sum in place (`jaxgrpo.models.accumulate`).
+    # unrolled layers or remat adds their share into the sum in place (`jaxgrpo.models.accumulate`).
     second = trainable
-    if not cfg.lora and cfg.unroll_layers:
+    if not cfg.lora and (cfg.unroll_layers or cfg.remat):
         second = outside_layers_param_count(cfg) * pb / shard
     out["grads"] = trainable + (second if run.grad_accum > 1 else 0.0)
     out["opt_state"] = 2 * trainable

@@ -70,13 +70,14 @@ def test_optimizer_state_bytes_equal_adamw_init(name):
     assert 0 <= nbytes(opt_state) - est["opt_state"] <= 16
     assert est["ref_params"] == nbytes(trainable)
     assert est["grads"] == nbytes(trainable)
-    # Over micro-batches a second gradient; with unrolled layers, full fine-tuning's only
-    # outside them (their share is added into the running sum in place).
+    # Over micro-batches a second gradient; with unrolled layers or remat, full fine-tuning's
+    # only outside them (their share is added into the running sum in place).
     run2 = run.with_grad_accum(2)
-    assert memory.estimate(cfg, run2)["grads"] == 2 * nbytes(trainable)
+    scanned = cfg.replace(unroll_layers=False, remat=False)
+    assert memory.estimate(scanned, run2)["grads"] == 2 * nbytes(trainable)
     second = nbytes(trainable) if cfg.lora else nbytes(trainable) - nbytes(trainable["layers"])
-    unrolled = memory.estimate(cfg.replace(unroll_layers=True), run2)
-    assert unrolled["grads"] == nbytes(trainable) + second
+    for adding in (scanned.replace(unroll_layers=True), scanned.replace(remat=True)):
+        assert memory.estimate(adding, run2)["grads"] == nbytes(trainable) + second
 
 
 def test_kv_cache_bytes_equal_init_cache():

@@ -12,9 +12,9 @@ the loss fold the accumulator into its own gradient instead:
   so the stacked layers' gradient is never a buffer of its own.
 
 Both are used by the policy loss when `make_update_fn` accumulates over micro-batches
-(`jaxgrpo.rl.objective.make_loss_fn`); the learner does so with unrolled layers only (full
-fine-tuning on CPU): in a sharded layer scan the custom backward stacks per-layer residuals
-that JAX's own scan keeps once (benchmarks/README.md, "Session 17").
+(`jaxgrpo.rl.objective.make_loss_fn`); the learner does so with unrolled layers or remat: a
+layer scan without remat stacks per-layer copies of residuals that JAX's own scan keeps once
+(benchmarks/README.md, "Session 17").
 """
 
 from __future__ import annotations
@@ -51,15 +51,18 @@ def scan_adding_gradients(
     stacked: PyTree,
     acc: PyTree,
     unroll: int = 1,
+    remat: bool = False,
 ) -> PyTree:
     """The final carry of `lax.scan(lambda c, x: (body(c, x), None), init, stacked)`; the
     gradient it passes to `stacked` is `acc` plus the scan's own.
 
-    The forward pass keeps each step's VJP residuals (what `jax.grad` of the plain scan would
-    keep; none beyond the inputs when `body` is rematerialised) except the step's own weights,
-    which the backward pass slices from `stacked` again rather than keeping a stacked copy; the
-    backward pass runs the steps in reverse with `acc` as its carry, adding step i's gradient
-    into `acc[i]`.
+    The backward pass runs the steps in reverse with `acc` as its carry, adding step i's
+    gradient into `acc[i]`. With `remat` (the scan of `jax.checkpoint(body)`), the forward
+    keeps each step's input carry and the backward recomputes the step's VJP from it, as
+    JAX's scan of a checkpointed body does. Otherwise it keeps each step's VJP residuals
+    except the step's own weights, which the backward slices from `stacked` again; residuals
+    that do not change from step to step (from the masks and positions `body` closes over)
+    are then stacked L times, which the remat path avoids: they stay outside its loops.
 
     Args:
         body: one step, `carry, x_i -> carry`; it may close over values that are not
@@ -68,10 +71,16 @@ def scan_adding_gradients(
         stacked: the scanned inputs, each leaf [L, ...] (the stacked layer weights).
         acc: the gradient accumulator for `stacked`, same structure and shapes.
         unroll: `lax.scan`'s unroll; L or more runs both passes as straight-line code.
+        remat: recompute each step in the backward pass; pass `body` itself, not
+            `jax.checkpoint(body)`, or each step would be computed three times.
     """
     n = jax.tree.leaves(stacked)[0].shape[0]
     if unroll >= n:
-        return _unrolled_adding_gradients(body, init, stacked, acc)
+        return _unrolled_adding_gradients(
+            jax.checkpoint(body) if remat else body, init, stacked, acc
+        )
+    if remat:
+        return _remat_adding_gradients(body, init, stacked, acc, unroll)
     static = {}  # how the residuals rebuild a pullback: the same at every step
 
     @jax.custom_vjp
@@ -100,6 +109,39 @@ def scan_adding_gradients(
 
         (ct_init, acc), _ = jax.lax.scan(
             step, (ct_out, acc), (kept, jnp.arange(n)), reverse=True, unroll=unroll
+        )
+        return ct_init, acc, None
+
+    run.defvjp(fwd, bwd)
+    return run(init, stacked, acc)
+
+
+def _remat_adding_gradients(body, init, stacked, acc, unroll):
+    """`scan_adding_gradients` with `remat`: the forward scan keeps its input carries [L, ...];
+    the backward scan recomputes each step's VJP from its carry and weights."""
+    n = jax.tree.leaves(stacked)[0].shape[0]
+
+    @jax.custom_vjp
+    def run(init, stacked, acc):
+        del acc
+        return jax.lax.scan(lambda c, x: (body(c, x), None), init, stacked, unroll=unroll)[0]
+
+    def fwd(init, stacked, acc):
+        out, carries = jax.lax.scan(lambda c, x: (body(c, x), c), init, stacked, unroll=unroll)
+        return out, (carries, stacked, acc)
+
+    def bwd(res, ct_out):
+        carries, stacked, acc = res
+
+        def step(carry, xs):
+            ct, acc = carry
+            carry_i, i = xs
+            _, pullback = jax.vjp(body, carry_i, jax.tree.map(lambda w: w[i], stacked))
+            ct, ct_x = pullback(ct)
+            return (ct, _add_at(acc, i, ct_x)), None
+
+        (ct_init, acc), _ = jax.lax.scan(
+            step, (ct_out, acc), (carries, jnp.arange(n)), reverse=True, unroll=unroll
         )
         return ct_init, acc, None
 

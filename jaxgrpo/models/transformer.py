@@ -351,14 +351,15 @@ class Transformer(nnx.Module):
                 out.append(x_BTD)
             return tuple(out)
 
-        if self.cfg.remat:
-            body = jax.checkpoint(body)
         unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
         init = tuple(x[0] for x in inputs)
         if layer_grad_acc is None:
-            xs, _ = jax.lax.scan(lambda c, x: (body(c, x), None), init, state, unroll=unroll)
+            step = jax.checkpoint(body) if self.cfg.remat else body
+            xs, _ = jax.lax.scan(lambda c, x: (step(c, x), None), init, state, unroll=unroll)
         else:
-            xs = scan_adding_gradients(body, init, state, layer_grad_acc, unroll=unroll)
+            xs = scan_adding_gradients(
+                body, init, state, layer_grad_acc, unroll=unroll, remat=self.cfg.remat
+            )
         return [self.final_norm(x_BTD) for x_BTD in xs]
 
     def _segment_inputs(self, j: int, seg: Segment, segments: Sequence[Segment]) -> tuple:

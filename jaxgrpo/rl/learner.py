@@ -190,9 +190,9 @@ class Learner:
             frozen_sh=self.frozen_sh,
             batch_sh=batch_sh,
             idx_sh=self.replicated,
-            # Only with unrolled layers: in a layer scan the custom backward stacks per-layer
+            # Not in a layer scan without remat: its custom backward would stack per-layer
             # residuals that JAX's own scan keeps once (benchmarks/README.md, "Session 17").
-            accumulating_loss=self.model_cfg.unroll_layers,
+            accumulating_loss=self.model_cfg.unroll_layers or self.model_cfg.remat,
         )
 
     def _batch_shardings(self) -> ro.RolloutBatch:

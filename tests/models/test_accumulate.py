@@ -119,3 +119,45 @@ def test_layer_scan_needs_no_second_buffer_for_the_layers_gradient(layout, share
     layers = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
     saved = temp_bytes(plain) - temp_bytes(folded)
     assert saved >= share * layers, (saved, layers)
+
+
+def test_remat_layer_scan_keeps_what_the_body_closes_over_once():
+    """With `remat`, the forward keeps each step's input carry and nothing else: a large value
+    the body closes over (here a [512, 512] matrix, as the attention masks are in the model)
+    stays outside the loops, as in JAX's scan of a checkpointed body, where the residual path
+    stacks a copy per step. Same gradient: the plain one plus the accumulator (1e-5)."""
+    from jaxgrpo.models.accumulate import scan_adding_gradients
+
+    steps, n, d = 8, 512, 16
+    keys = jax.random.split(jax.random.key(0), 4)
+    big = jax.random.normal(keys[0], (n, n)) / n
+    w = jax.random.normal(keys[1], (steps, d, d)) / d
+    x0 = jax.random.normal(keys[2], (n, d))
+    acc = jax.random.normal(keys[3], w.shape)
+
+    def body(big):
+        return lambda c, w_i: jnp.tanh(big @ c @ w_i)
+
+    def plain(w, big, acc):
+        def loss(w):
+            step = jax.checkpoint(body(big))
+            return jnp.sum(jax.lax.scan(lambda c, x: (step(c, x), None), x0, w)[0] ** 2)
+
+        return jax.grad(loss)(w) + acc
+
+    def folded(remat):
+        def grad(w, big, acc):
+            step = body(big) if remat else jax.checkpoint(body(big))
+            loss = lambda w: jnp.sum(scan_adding_gradients(step, x0, w, acc, remat=remat) ** 2)  # noqa: E731
+            return jax.grad(loss)(w)
+
+        return grad
+
+    def temp_bytes(fn):
+        compiled = jax.jit(fn, donate_argnums=2).lower(w, big, acc).compile()
+        return compiled.memory_analysis().temp_size_in_bytes
+
+    np.testing.assert_allclose(folded(True)(w, big, acc), plain(w, big, acc), rtol=1e-5, atol=1e-5)
+    stacked = (steps - 1) * big.nbytes
+    assert temp_bytes(folded(False)) >= temp_bytes(plain) + stacked  # the residual path
+    assert temp_bytes(folded(True)) <= temp_bytes(plain)

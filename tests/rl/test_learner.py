@@ -448,8 +448,13 @@ def test_micro_batches_keep_rows_split_over_the_devices(overrides, width, want):
 
 @pytest.mark.parametrize(
     "variant",
-    [{}, {"model.lora_rank": 0}, {"model.lora_rank": 0, "model.layer_loop": "unroll"}],
-    ids=["lora", "full", "full-unrolled"],
+    [
+        {},
+        {"model.lora_rank": 0},
+        {"model.lora_rank": 0, "model.layer_loop": "unroll"},
+        {"model.lora_rank": 0, "model.layer_loop": "scan", "model.remat": True},
+    ],
+    ids=["lora", "full", "full-unrolled", "full-remat-scan"],
 )
 def test_micro_batch_gradients_add_into_the_accumulator_inside_the_backward_pass(variant):
     """The policy loss given an accumulator returns, as its gradient, the accumulator plus its
