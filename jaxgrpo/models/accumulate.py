@@ -76,49 +76,29 @@ def scan_adding_gradients(
     """
     n = jax.tree.leaves(stacked)[0].shape[0]
     if unroll >= n:
-        return _unrolled_adding_gradients(
-            jax.checkpoint(body) if remat else body, init, stacked, acc
-        )
-    if remat:
-        return _remat_adding_gradients(body, init, stacked, acc, unroll)
+        step = jax.checkpoint(body) if remat else body
+        return _unrolled_adding_gradients(step, init, stacked, acc)
+    if remat:  # keep the step's input carry; rebuild its pullback from it and the weights
+        keep = lambda c, x: (body(c, x), c)  # noqa: E731
+        pullback = lambda c, x: jax.vjp(body, c, x)[1]  # noqa: E731
+        return _scan_adding(body, keep, pullback, init, stacked, acc, unroll)
     static = {}  # how the residuals rebuild a pullback: the same at every step
 
-    @jax.custom_vjp
-    def run(init, stacked, acc):
-        del acc
-        return jax.lax.scan(lambda c, x: (body(c, x), None), init, stacked, unroll=unroll)[0]
+    def keep(carry, x):
+        out, pullback = jax.vjp(body, carry, x)
+        kept, static["rebuild"] = _without_weights(pullback, x)
+        return out, kept
 
-    def fwd(init, stacked, acc):
-        def step(carry, x):
-            out, pullback = jax.vjp(body, carry, x)
-            kept, static["rebuild"] = _without_weights(pullback, x)
-            return out, kept
+    def rebuilt(kept, x):
+        return _with_weights(kept, static["rebuild"], x)
 
-        out, kept = jax.lax.scan(step, init, stacked, unroll=unroll)
-        return out, (kept, stacked, acc)
-
-    def bwd(res, ct_out):
-        kept, stacked, acc = res
-
-        def step(carry, xs):
-            ct, acc = carry
-            kept_i, i = xs
-            x = jax.tree.map(lambda w: w[i], stacked)
-            ct, ct_x = _with_weights(kept_i, static["rebuild"], x)(ct)
-            return (ct, _add_at(acc, i, ct_x)), None
-
-        (ct_init, acc), _ = jax.lax.scan(
-            step, (ct_out, acc), (kept, jnp.arange(n)), reverse=True, unroll=unroll
-        )
-        return ct_init, acc, None
-
-    run.defvjp(fwd, bwd)
-    return run(init, stacked, acc)
+    return _scan_adding(body, keep, rebuilt, init, stacked, acc, unroll)
 
 
-def _remat_adding_gradients(body, init, stacked, acc, unroll):
-    """`scan_adding_gradients` with `remat`: the forward scan keeps its input carries [L, ...];
-    the backward scan recomputes each step's VJP from its carry and weights."""
+def _scan_adding(body, keep, pullback, init, stacked, acc, unroll):
+    """The scan of `body` with a custom backward: the forward scan runs `keep(carry, x_i) ->
+    (carry, kept_i)`; the backward scan applies `pullback(kept_i, x_i)` to the carry's
+    gradient in reverse and adds each step's weight gradient into `acc[i]`."""
     n = jax.tree.leaves(stacked)[0].shape[0]
 
     @jax.custom_vjp
@@ -127,21 +107,20 @@ def _remat_adding_gradients(body, init, stacked, acc, unroll):
         return jax.lax.scan(lambda c, x: (body(c, x), None), init, stacked, unroll=unroll)[0]
 
     def fwd(init, stacked, acc):
-        out, carries = jax.lax.scan(lambda c, x: (body(c, x), c), init, stacked, unroll=unroll)
-        return out, (carries, stacked, acc)
+        out, kept = jax.lax.scan(keep, init, stacked, unroll=unroll)
+        return out, (kept, stacked, acc)
 
     def bwd(res, ct_out):
-        carries, stacked, acc = res
+        kept, stacked, acc = res
 
         def step(carry, xs):
             ct, acc = carry
-            carry_i, i = xs
-            _, pullback = jax.vjp(body, carry_i, jax.tree.map(lambda w: w[i], stacked))
-            ct, ct_x = pullback(ct)
+            kept_i, i = xs
+            ct, ct_x = pullback(kept_i, jax.tree.map(lambda w: w[i], stacked))(ct)
             return (ct, _add_at(acc, i, ct_x)), None
 
         (ct_init, acc), _ = jax.lax.scan(
-            step, (ct_out, acc), (carries, jnp.arange(n)), reverse=True, unroll=unroll
+            step, (ct_out, acc), (kept, jnp.arange(n)), reverse=True, unroll=unroll
         )
         return ct_init, acc, None
 
