@@ -8,9 +8,9 @@ The estimate is arithmetic on the model's shapes, with no model built:
 * parameters: the exact element count of ``jaxgrpo.models.transformer.Transformer`` (plus LoRA
   A and B), divided evenly over ``fsdp * tensor`` as ``sharding.TRAIN_RULES`` split them;
 * trainable state: gradients (with gradient accumulation, the running sum and the
-  micro-batch's; full fine-tuning with unrolled layers adds their share in place, so only the
-  embedding, head and final norm hold a second one), AdamW's two moments in the parameter
-  dtype, and the reference policy's trainable part when ``beta > 0`` (zero LoRA, or a full
+  micro-batch's; full fine-tuning with unrolled layers or remat adds their share in place, so
+  only the embedding, head and final norm hold a second one), AdamW's two moments in the
+  parameter dtype, and the reference policy's trainable part when ``beta > 0`` (zero LoRA, or a full
   copy for full fine-tuning);
 * KV cache of sampling: ``2 * L * rows * (P + T) * K * H`` in the compute dtype, rows =
   ``prompts_per_step * group_size / (data * fsdp)``, K split over ``tensor``;
@@ -180,10 +180,10 @@ def estimate(
     lora = lora_param_count(cfg)
     trainable = (lora if cfg.lora else base_param_count(cfg)) * pb / shard
     out = {"params": (base_param_count(cfg) + lora) * pb / shard}
-    # Over micro-batches, a second gradient sits beside the running sum; full fine-tuning with
-    # unrolled layers or remat adds their share into the sum in place (`jaxgrpo.models.accumulate`).
+    # Over micro-batches, a second gradient sits beside the running sum; full fine-tuning may
+    # add the layers' share into the sum in place (`ModelConfig.adds_layer_gradients_in_place`).
     second = trainable
-    if not cfg.lora and (cfg.unroll_layers or cfg.remat):
+    if not cfg.lora and cfg.adds_layer_gradients_in_place:
         second = outside_layers_param_count(cfg) * pb / shard
     out["grads"] = trainable + (second if run.grad_accum > 1 else 0.0)
     out["opt_state"] = 2 * trainable

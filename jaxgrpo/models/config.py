@@ -131,6 +131,13 @@ class ModelConfig:
                     f"{name} must be 'float32' or 'bfloat16', got {getattr(self, name)!r}."
                 )
 
+    @property
+    def adds_layer_gradients_in_place(self) -> bool:
+        """Whether the layer loop can add micro-batch gradients into the running sum inside
+        its backward pass (`jaxgrpo.models.accumulate`): unrolled, or with remat; a layer scan
+        without remat would stack per-layer copies of what its body closes over."""
+        return self.unroll_layers or self.remat
+
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 

@@ -190,9 +190,7 @@ class Learner:
             frozen_sh=self.frozen_sh,
             batch_sh=batch_sh,
             idx_sh=self.replicated,
-            # Not in a layer scan without remat: its custom backward would stack per-layer
-            # residuals that JAX's own scan keeps once (benchmarks/README.md, "Session 17").
-            accumulating_loss=self.model_cfg.unroll_layers or self.model_cfg.remat,
+            accumulating_loss=self.model_cfg.adds_layer_gradients_in_place,
         )
 
     def _batch_shardings(self) -> ro.RolloutBatch:
