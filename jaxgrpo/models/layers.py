@@ -249,8 +249,10 @@ def attend(
     With `prompt`, the rows are the R = B * G samples of B prompts (rows b*G .. b*G+G-1 of
     prompt b), and each prompt's keys, stored once, come before the rows' own. The prompt's
     scores are one matmul per (prompt, kv head) with the group's G * M * T queries as rows, so
-    a decode step reads the prompt cache once per group instead of once per row. One softmax
-    runs over the prompt and the own slots together.
+    a decode step reads the prompt cache once per group instead of once per row. The softmax
+    over the prompt and the own slots together is taken part by part (one running maximum,
+    then each part's unnormalised weights and their values; one division at the end), so the
+    two score arrays are never concatenated, nor sliced apart again in the backward pass.
 
     Args:
         q_RTNH: queries, N = K * M (M query heads share each kv head).
@@ -266,60 +268,73 @@ def attend(
     r, t, n, h = q_RTNH.shape
     kh = k.shape[1 if heads_first else 2]
     m, dtype = n // kh, q_RTNH.dtype
+    scale = 1.0 / math.sqrt(h)
+    f32 = jnp.float32
     if heads_first:
         q_RKMTH = q_RTNH.reshape(r, t, kh, m, h).transpose(0, 2, 3, 1, 4)
         scores_RKMTS = jnp.einsum(
-            "RKMTH,RKHS->RKMTS", q_RKMTH, k.astype(dtype), preferred_element_type=jnp.float32
+            "RKMTH,RKHS->RKMTS", q_RKMTH, k.astype(dtype), preferred_element_type=f32
         )
     else:
         q_RTKMH = q_RTNH.reshape(r, t, kh, m, h)
         scores_RKMTS = jnp.einsum(
-            "RTKMH,RSKH->RKMTS", q_RTKMH, k.astype(dtype), preferred_element_type=jnp.float32
+            "RTKMH,RSKH->RKMTS", q_RTKMH, k.astype(dtype), preferred_element_type=f32
         )
+    scores_RKMTS = jnp.where(mask_RTS[:, None, None], scores_RKMTS * scale, _MASK_VALUE)
+    peak_RKMT = jnp.max(scores_RKMTS, axis=-1)
     if prompt is not None:
         pk_BKHP, pv_BKPH, prompt_mask_BP = prompt
-        b, p = prompt_mask_BP.shape
+        b = prompt_mask_BP.shape[0]
         g = r // b
+
+        def to_rows(x_BKX):  # [B, K, G * M * T, ...] -> [R, K, M, T, ...]
+            rest = x_BKX.shape[3:]
+            x = x_BKX.reshape(b, kh, g, m, t, *rest).swapaxes(1, 2)
+            return x.reshape(r, kh, m, t, *rest)
+
+        def to_prompts(x_RKMT):  # [R, K, M, T] -> [B, K, G * M * T]
+            return x_RKMT.reshape(b, g, kh, m, t).swapaxes(1, 2).reshape(b, kh, -1)
+
         # The group's queries as rows X = G * M * T of one matmul per (prompt, kv head).
-        q_BKGMTH = q_RTNH.reshape(b, g, t, kh, m, h).transpose(0, 3, 1, 4, 2, 5)
+        q_BKXH = q_RTNH.reshape(b, g, t, kh, m, h).transpose(0, 3, 1, 4, 2, 5)
         prompt_BKXP = jnp.einsum(
             "BKXH,BKHP->BKXP",
-            q_BKGMTH.reshape(b, kh, -1, h),
+            q_BKXH.reshape(b, kh, -1, h),
             pk_BKHP.astype(dtype),
-            preferred_element_type=jnp.float32,
+            preferred_element_type=f32,
         )
-        prompt_RKMTP = (
-            prompt_BKXP.reshape(b, kh, g, m, t, p)
-            .transpose(0, 2, 1, 3, 4, 5)
-            .reshape(r, kh, m, t, p)
-        )
-        scores_RKMTS = jnp.concatenate([prompt_RKMTP, scores_RKMTS], axis=-1)
-        prompt_mask_RTP = jnp.broadcast_to(
-            jnp.repeat(prompt_mask_BP, g, axis=0)[:, None, :], (r, t, p)
-        )
-        mask_RTS = jnp.concatenate([prompt_mask_RTP, mask_RTS], axis=-1)
-    probs = _masked_softmax(scores_RKMTS * (1.0 / math.sqrt(h)), mask_RTS).astype(dtype)
-    if prompt is not None:
-        probs_BKXP = (
-            probs[..., :p]
-            .reshape(b, g, kh, m, t, p)
-            .transpose(0, 2, 1, 3, 4, 5)
-            .reshape(b, kh, -1, p)
-        )
-        out_BKXH = jnp.einsum("BKXP,BKPH->BKXH", probs_BKXP, pv_BKPH.astype(dtype))
-        prompt_out_RKMTH = (
-            out_BKXH.reshape(b, kh, g, m, t, h).transpose(0, 2, 1, 3, 4, 5).reshape(r, kh, m, t, h)
-        )
-        probs = probs[..., p:]
+        prompt_BKXP = jnp.where(prompt_mask_BP[:, None, None], prompt_BKXP * scale, _MASK_VALUE)
+        peak_RKMT = jnp.maximum(peak_RKMT, to_rows(jnp.max(prompt_BKXP, axis=-1)))
+    # Any common shift leaves the softmax unchanged: the maximum is a constant to autodiff.
+    peak_RKMT = jax.lax.stop_gradient(peak_RKMT)
+    weights_RKMTS = jnp.exp(scores_RKMTS - peak_RKMT[..., None])
+    total_RKMT = jnp.sum(weights_RKMTS, axis=-1)
     if heads_first:
-        out_RKMTH = jnp.einsum("RKMTS,RKSH->RKMTH", probs, v.astype(dtype))
-        if prompt is not None:
-            out_RKMTH = prompt_out_RKMTH + out_RKMTH
-        return out_RKMTH.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h)
-    out_RTKMH = jnp.einsum("RKMTS,RSKH->RTKMH", probs, v.astype(dtype))
+        out_RKMTH = jnp.einsum(
+            "RKMTS,RKSH->RKMTH",
+            weights_RKMTS.astype(dtype),
+            v.astype(dtype),
+            preferred_element_type=f32,
+        )
+    else:
+        out_RKMTH = jnp.einsum(
+            "RKMTS,RSKH->RKMTH",
+            weights_RKMTS.astype(dtype),
+            v.astype(dtype),
+            preferred_element_type=f32,
+        )
     if prompt is not None:
-        out_RTKMH = out_RTKMH + prompt_out_RKMTH.transpose(0, 3, 1, 2, 4)
-    return out_RTKMH.reshape(r, t, n, h)
+        weights_BKXP = jnp.exp(prompt_BKXP - to_prompts(peak_RKMT)[..., None])
+        total_RKMT = total_RKMT + to_rows(jnp.sum(weights_BKXP, axis=-1))
+        out_BKXH = jnp.einsum(
+            "BKXP,BKPH->BKXH",
+            weights_BKXP.astype(dtype),
+            pv_BKPH.astype(dtype),
+            preferred_element_type=f32,
+        )
+        out_RKMTH = out_RKMTH + to_rows(out_BKXH)
+    out_RKMTH = out_RKMTH / total_RKMT[..., None]
+    return out_RKMTH.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h).astype(dtype)
 
 
 @flax.struct.dataclass
@@ -373,30 +388,29 @@ def banded_attend(
     w, back = mask.width, mask.back
     blocks = cols // w
 
-    def block_window(x_BLKH):  # [B, L, K, H] -> [B * L / W, (back + 1) W, K, H]
-        rest = x_BLKH.shape[2:]
-        padded = jnp.pad(x_BLKH, ((0, 0), (back * w, 0), (0, 0), (0, 0)))
+    def block_window(x_BLKH):  # [B, L, K, H] -> [B * L / W, K, H, (back + 1) W]
+        x_BKHL = jnp.pad(x_BLKH.transpose(0, 2, 3, 1), ((0, 0), (0, 0), (0, 0), (back * w, 0)))
         shifted = [
-            padded[:, i * w : i * w + cols].reshape(b, blocks, w, *rest) for i in range(back + 1)
+            x_BKHL[..., i * w : i * w + cols].reshape(*x_BKHL.shape[:3], blocks, w)
+            for i in range(back + 1)
         ]
-        return jnp.concatenate(shifted, axis=2).reshape(b * blocks, (back + 1) * w, *rest)
+        x_BKHJV = jnp.concatenate(shifted, axis=-1)
+        return x_BKHJV.transpose(0, 3, 1, 2, 4).reshape(b * blocks, *x_BKHJV.shape[1:3], -1)
 
     pk_BPKH, pv_BPKH = prefix_kv
     prompt = (pk_BPKH.transpose(0, 2, 3, 1), pv_BPKH.transpose(0, 2, 1, 3), mask.prompt_BP)
+    # The decode cache's layout (keys [R, K, H, S], values [R, K, S, H]): the score and value
+    # dots then read their right-hand operands as [contracted, free], with no transposes of the
+    # scores (benchmarks/README.md, session 19).
     out = attend(
         q_BLNH.reshape(b * blocks, w, n, h),
         block_window(k_BLKH),
-        block_window(v_BLKH),
+        jnp.swapaxes(block_window(v_BLKH), -1, -2),
         mask.own_XWV,
+        heads_first=True,
         prompt=prompt,
     )
     return out.reshape(b, cols, n, h)
-
-
-def _masked_softmax(scores_RKMTS: Array, mask_RTS: Array) -> Array:
-    """float32 softmax over key slots, with masked slots at a large negative score."""
-    scores_RKMTS = jnp.where(mask_RTS[:, None, None, :, :], scores_RKMTS, _MASK_VALUE)
-    return jax.nn.softmax(scores_RKMTS, axis=-1)
 
 
 class LayerWeights(Protocol):
