@@ -23,7 +23,7 @@ The estimate is arithmetic on the model's shapes, with no model built:
   block's inputs, q/k/v, attention output, MLP hidden and SwiGLU product, plus float32 attention
   scores (packed completions attend in bands, ``rl.logprobs.band_layout``); with ``remat`` only
   each block's input is kept, and one block is live at a time. The logits are chunked over T
-  (``rl/logprobs.py``, 64 positions), float32. With fsdp > 1 the update also holds the
+  (``rl/logprobs.py``, ``head_chunk`` positions), float32. With fsdp > 1 the update also holds the
   embedding, the LM head and two layers' weights gathered whole over fsdp.
 
 Parameters, optimizer state and cache are checked against real arrays by the tests; the
@@ -52,11 +52,10 @@ from jaxgrpo.presets import (
     find_architecture,
     get_preset,
 )
-from jaxgrpo.rl.logprobs import band_layout
+from jaxgrpo.rl.logprobs import band_layout, head_chunk
 from jaxgrpo.sharding import sampling_layout
 
 _BYTES = {"float32": 4, "bfloat16": 2}
-LOGITS_CHUNK = 64  # positions per logits block in rl/logprobs.py
 # Architectures that repeat another one's shape: left out of the fit table.
 TABLE_DUPLICATES = ("Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B-Instruct-abliterated")
 
@@ -246,9 +245,16 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
         kept = cfg.num_layers * tokens * d * cb + layer
     else:
         kept = cfg.num_layers * layer
-    # A block of LOGITS_CHUNK columns of each row: packed, a row is a prompt's G completions.
+    # One logits block of each row (`head_chunk`): packed, a row is a prompt's G completions.
     logit_rows = prompts if run.packed else rows
-    logits = 3.0 * logit_rows * min(LOGITS_CHUNK, t) * cfg.vocab_size / tensor * 4
+    logits = (
+        3.0
+        * logit_rows
+        * head_chunk(logit_rows, t, platform=cfg.platform)
+        * cfg.vocab_size
+        / tensor
+        * 4
+    )
     return kept + logits
 
 

@@ -110,6 +110,20 @@ def _head_stats_bwd(dtype, keep, residuals, cotangents):
 _head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
 
 
+# Rows x positions per logits block at least, on CPU: one packed row scored 64 positions at a
+# time ran the head's [64, 576] x [576, 49152] dots on XLA:CPU at about two thirds of the rate
+# of 256-row blocks (benchmarks/README.md, session 19).
+HEAD_CHUNK_ROWS = 256
+
+
+def head_chunk(rows: int, t: int, chunk_size: int = 64, platform: str = "") -> int:
+    """Positions per logits block of `head_token_logprobs` for `rows` rows of `t` positions:
+    `chunk_size`, on ``platform`` "cpu" raised until a block has `HEAD_CHUNK_ROWS` rows x
+    positions; at most t."""
+    floor = HEAD_CHUNK_ROWS // max(rows, 1) if platform == "cpu" else 0
+    return max(1, min(max(chunk_size, floor), t))
+
+
 def head_token_logprobs(
     model: Any, h_RTD: Array, tokens_RT: Array, temps_RT: Array, chunk_size: int = 64
 ) -> tuple[Array, Array]:
@@ -125,14 +139,15 @@ def head_token_logprobs(
             tokens_RT[:, t]).
         tokens_RT: int32 token ids.
         temps_RT: sampling temperature of each token (0 means greedy: scored at 1).
-        chunk_size: positions per logits block; T is padded up to a multiple of it.
+        chunk_size: positions per logits block at least (`head_chunk`); T is padded up to a
+            multiple of the block.
 
     Returns:
         (logp_RT, entropy_RT), float32.
     """
     w_VD, dtype = model.head_weight(), _compute_dtype(model)
     n, t, d = h_RTD.shape
-    c = max(1, min(chunk_size, t))
+    c = head_chunk(n, t, chunk_size, getattr(model.cfg, "platform", "") or jax.default_backend())
     n_chunks = -(-t // c)
     pad = n_chunks * c - t
     if pad:

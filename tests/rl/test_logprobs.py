@@ -319,10 +319,24 @@ def _shapes(jaxpr):
                     yield from _shapes(inner)
 
 
+@pytest.mark.parametrize(
+    "rows, t, asked, expected",
+    [(1, 3072, 64, 256), (4, 3072, 64, 64), (2, 3072, 64, 128), (1, 100, 64, 100), (64, 40, 8, 8)],
+)
+def test_head_blocks_have_enough_rows_for_the_matmul_on_cpu(rows, t, asked, expected):
+    """On CPU a logits block has at least HEAD_CHUNK_ROWS rows x positions (never fewer
+    positions than asked, never more than the sequence), so a micro-batch of one packed row
+    does not run the head's matmul 64 rows at a time; other platforms keep the asked size."""
+    assert lp.HEAD_CHUNK_ROWS == 256
+    assert lp.head_chunk(rows, t, asked, "cpu") == expected
+    assert lp.head_chunk(rows, t, asked, "tpu") == min(asked, t)
+
+
 def test_no_full_vocabulary_logits_for_the_whole_sequence(monkeypatch):
     """Past the keep budget, forward and backward never hold logits for more than one chunk
     of positions."""
     monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", 0)
+    monkeypatch.setattr(lp, "HEAD_CHUNK_ROWS", 1)  # blocks of `chunk` positions, as asked
     model = _model(lora=True)
     graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
     batch = _batch()
