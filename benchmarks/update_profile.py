@@ -6,7 +6,9 @@ before the passes this script isolates. It samples one rollout of `grpo_step.py`
 update (`_optimize`) on it `--repeats` times after a compiling run, and prints: the
 completions' lengths, the packed layout (columns scored against real tokens), seconds per
 pass, the compiled update's memory (XLA's `memory_analysis`) and the peak RSS. Same rollout,
-so two trees or two settings compare exactly.
+so two trees or two settings compare exactly. `--ops N` then traces one more reference pass and
+update under `jax.profiler` and prints each program's N most expensive XLA ops (summed over
+calls, with the JAX operation each comes from).
 
     python benchmarks/update_profile.py --task gsm8k --new-tokens 512 --save /tmp/r512.pkl
     python benchmarks/update_profile.py --task gsm8k --new-tokens 512 --load /tmp/r512.pkl \\
@@ -50,19 +52,59 @@ def layout(learner, rollout) -> str:
     )
 
 
-def compiled_update(learner, state, batch) -> str:
-    """The compiled update's temporaries, arguments and outputs, as XLA reports them."""
+def _compile_update(learner, state, batch):
+    """The learner's update program for `batch`, compiled, and its micro-batch count."""
     import numpy as np
 
     b, u = learner.rl.prompts_per_step, learner.micro_batches(batch)
     idx = learner._replicate(np.arange(b, dtype=np.int32).reshape(u, b // u), np.int32)
-    compiled = learner._update.lower(state, learner.frozen, batch, idx).compile()
+    return learner._update.lower(state, learner.frozen, batch, idx).compile(), u
+
+
+def compiled_update(learner, state, batch) -> str:
+    """The compiled update's temporaries, arguments and outputs, as XLA reports them."""
+    compiled, u = _compile_update(learner, state, batch)
     mem = compiled.memory_analysis()
     return (
         f"compiled update ({u} micro-batch{'es' if u > 1 else ''}): temporaries "
         f"{mem.temp_size_in_bytes / GB:.2f} GB, arguments {mem.argument_size_in_bytes / GB:.2f} "
         f"GB, outputs {mem.output_size_in_bytes / GB:.2f} GB"
     )
+
+
+def top_ops(run, compiled_text: str, name: str, n: int) -> None:
+    """Runs `run()` under `jax.profiler` and prints the `n` XLA ops that took the most time
+    (summed over their calls), each with its output shape and JAX source op from
+    `compiled_text` (the HLO of the program `run` calls)."""
+    import collections
+    import glob
+    import re
+
+    import jax
+
+    hlo = {}
+    for line in compiled_text.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\S+)", line)
+        if m:
+            source = re.search(r'op_name="([^"]*)"', line)
+            hlo.setdefault(m.group(1), (m.group(2), source.group(1) if source else ""))
+    trace_dir = tempfile.mkdtemp()
+    with jax.profiler.trace(trace_dir):
+        run()
+    totals: collections.Counter = collections.Counter()
+    calls: collections.Counter = collections.Counter()
+    path = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)[0]
+    for plane in jax.profiler.ProfileData.from_file(path).planes:
+        for line in plane.lines:
+            for event in line.events:
+                stats = dict(event.stats)
+                if "hlo_op" in stats:
+                    totals[str(stats["hlo_op"])] += event.duration_ns
+                    calls[str(stats["hlo_op"])] += 1
+    print(f"{name}: {sum(totals.values()) / 1e9:.2f} s of op time; the top {n}:")
+    for op, ns in totals.most_common(n):
+        shape, source = hlo.get(op, ("?", ""))
+        print(f"  {ns / 1e9:7.2f} s  x{calls[op]:<5d} {op[:26]:26} {shape[:26]:26} {source[-90:]}")
 
 
 def main() -> None:
@@ -75,6 +117,7 @@ def main() -> None:
     parser.add_argument("--save", default="", help="sample a rollout and keep it here")
     parser.add_argument("--load", default="", help="a rollout saved with --save")
     parser.add_argument("--set", nargs="*", default=[], help="config overrides key=value")
+    parser.add_argument("--ops", type=int, default=0, help="then trace and print the top N ops")
     args = parser.parse_args()
 
     from jaxgrpo.config import config_override
@@ -128,6 +171,21 @@ def main() -> None:
         f"median of {args.repeats}: reference {median.get('reference', 0):.2f} s, "
         f"update {median.get('update', 0):.2f} s; peak RSS {grpo_step._peak_mb() / 1024:.2f} GiB"
     )
+    if args.ops:
+        import jax
+
+        ref = learner.reference(state)
+        inputs, packing, shared, _ = learner._batch_inputs(rollout)
+        scoring = (ref, learner.frozen, *inputs, packing, shared)
+        text = learner._logprobs.lower(*scoring).compile().as_text()
+        top_ops(
+            lambda: jax.block_until_ready(learner._logprobs(*scoring)), text, "reference", args.ops
+        )
+        text = _compile_update(learner, state, batch)[0].as_text()
+        key = learner._advance(state.step, state.rng)[3]
+        top_ops(
+            lambda: float(learner._optimize(state, batch, key)[1]["loss"]), text, "update", args.ops
+        )
 
 
 if __name__ == "__main__":
