@@ -247,14 +247,8 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
         kept = cfg.num_layers * layer
     # One logits block of each row (`head_chunk`): packed, a row is a prompt's G completions.
     logit_rows = prompts if run.packed else rows
-    logits = (
-        3.0
-        * logit_rows
-        * head_chunk(logit_rows, t, platform=cfg.platform)
-        * cfg.vocab_size
-        / tensor
-        * 4
-    )
+    block = head_chunk(logit_rows, t, platform=cfg.platform)
+    logits = 3.0 * logit_rows * block * cfg.vocab_size / tensor * 4
     return kept + logits
 
 

@@ -309,20 +309,12 @@ def attend(
     peak_RKMT = jax.lax.stop_gradient(peak_RKMT)
     weights_RKMTS = jnp.exp(scores_RKMTS - peak_RKMT[..., None])
     total_RKMT = jnp.sum(weights_RKMTS, axis=-1)
-    if heads_first:
-        out_RKMTH = jnp.einsum(
-            "RKMTS,RKSH->RKMTH",
-            weights_RKMTS.astype(dtype),
-            v.astype(dtype),
-            preferred_element_type=f32,
-        )
-    else:
-        out_RKMTH = jnp.einsum(
-            "RKMTS,RSKH->RKMTH",
-            weights_RKMTS.astype(dtype),
-            v.astype(dtype),
-            preferred_element_type=f32,
-        )
+    out_RKMTH = jnp.einsum(
+        "RKMTS,RKSH->RKMTH" if heads_first else "RKMTS,RSKH->RKMTH",
+        weights_RKMTS.astype(dtype),
+        v.astype(dtype),
+        preferred_element_type=f32,
+    )
     if prompt is not None:
         weights_BKXP = jnp.exp(prompt_BKXP - to_prompts(peak_RKMT)[..., None])
         total_RKMT = total_RKMT + to_rows(jnp.sum(weights_BKXP, axis=-1))
