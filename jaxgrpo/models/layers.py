@@ -243,6 +243,7 @@ def attend(
     *,
     heads_first: bool = False,
     prompt: tuple[Array, Array, Array] | None = None,
+    platform: str = "",
 ) -> Array:
     """Grouped-query softmax attention over R rows; scores and softmax in float32.
 
@@ -261,50 +262,73 @@ def attend(
         mask_RTS: True where query t may attend key s.
         prompt: None, or the prompts' keys [B, K, H, P], values [B, K, P, H] and mask [B, P]
             (True at real slots, which every query of the prompt's rows may attend).
+        platform: the backend compiled for ("" = the default backend): on "cpu" the
+            heads-first layout differentiates through `_attention_cpu`'s hand-written backward.
 
     Returns:
         [R, T, N, H] in q's dtype.
     """
     r, t, n, h = q_RTNH.shape
     kh = k.shape[1 if heads_first else 2]
-    m, dtype = n // kh, q_RTNH.dtype
-    scale = 1.0 / math.sqrt(h)
-    f32 = jnp.float32
-    if heads_first:
-        q_RKMTH = q_RTNH.reshape(r, t, kh, m, h).transpose(0, 2, 3, 1, 4)
-        scores_RKMTS = jnp.einsum(
-            "RKMTH,RKHS->RKMTS", q_RKMTH, k.astype(dtype), preferred_element_type=f32
-        )
+    q_RKMTH = q_RTNH.reshape(r, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
+    if heads_first and (platform or jax.default_backend()) == "cpu":
+        out_RKMTH = _attention_cpu(q_RKMTH, k, v, mask_RTS, prompt)
     else:
-        q_RTKMH = q_RTNH.reshape(r, t, kh, m, h)
-        scores_RKMTS = jnp.einsum(
-            "RTKMH,RSKH->RKMTS", q_RTKMH, k.astype(dtype), preferred_element_type=f32
+        out_RKMTH = _softmax_attention(q_RKMTH, k, v, mask_RTS, prompt, heads_first)[0]
+    return out_RKMTH.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h).astype(q_RTNH.dtype)
+
+
+class _Groups:
+    """Moves per-row arrays [R, K, M, T, ...] to the prompts' layout [B, K, G * M * T, ...]
+    and back, for R = B * G rows: the prompt's scores have a group's queries as matmul rows."""
+
+    def __init__(self, rows: int, prompts: int, kv_heads: int, m: int, t: int):
+        self.r, self.b, self.g, self.kh, self.m, self.t = (
+            rows,
+            prompts,
+            rows // prompts,
+            kv_heads,
+            m,
+            t,
         )
+
+    def to_prompts(self, x_RKMT: Array) -> Array:
+        rest = x_RKMT.shape[4:]
+        x = x_RKMT.reshape(self.b, self.g, self.kh, self.m, self.t, *rest).swapaxes(1, 2)
+        return x.reshape(self.b, self.kh, -1, *rest)
+
+    def to_rows(self, x_BKX: Array) -> Array:
+        rest = x_BKX.shape[3:]
+        x = x_BKX.reshape(self.b, self.kh, self.g, self.m, self.t, *rest).swapaxes(1, 2)
+        return x.reshape(self.r, self.kh, self.m, self.t, *rest)
+
+
+def _softmax_attention(q_RKMTH, k, v, mask_RTS, prompt, heads_first):
+    """`attend`'s arithmetic on queries [R, K, M, T, H]: (the output [R, K, M, T, H] in
+    float32, and the unnormalised weights of the own keys and of the prompt's, and their
+    total [R, K, M, T], which `_attention_cpu`'s backward reuses)."""
+    r, kh, m, t, h = q_RKMTH.shape
+    dtype, f32 = q_RKMTH.dtype, jnp.float32
+    scale = 1.0 / math.sqrt(h)
+    scores_RKMTS = jnp.einsum(
+        "RKMTH,RKHS->RKMTS" if heads_first else "RKMTH,RSKH->RKMTS",
+        q_RKMTH,
+        k.astype(dtype),
+        preferred_element_type=f32,
+    )
     scores_RKMTS = jnp.where(mask_RTS[:, None, None], scores_RKMTS * scale, _MASK_VALUE)
     peak_RKMT = jnp.max(scores_RKMTS, axis=-1)
     if prompt is not None:
         pk_BKHP, pv_BKPH, prompt_mask_BP = prompt
-        b = prompt_mask_BP.shape[0]
-        g = r // b
-
-        def to_rows(x_BKX):  # [B, K, G * M * T, ...] -> [R, K, M, T, ...]
-            rest = x_BKX.shape[3:]
-            x = x_BKX.reshape(b, kh, g, m, t, *rest).swapaxes(1, 2)
-            return x.reshape(r, kh, m, t, *rest)
-
-        def to_prompts(x_RKMT):  # [R, K, M, T] -> [B, K, G * M * T]
-            return x_RKMT.reshape(b, g, kh, m, t).swapaxes(1, 2).reshape(b, kh, -1)
-
-        # The group's queries as rows X = G * M * T of one matmul per (prompt, kv head).
-        q_BKXH = q_RTNH.reshape(b, g, t, kh, m, h).transpose(0, 3, 1, 4, 2, 5)
+        groups = _Groups(r, prompt_mask_BP.shape[0], kh, m, t)
         prompt_BKXP = jnp.einsum(
             "BKXH,BKHP->BKXP",
-            q_BKXH.reshape(b, kh, -1, h),
+            groups.to_prompts(q_RKMTH),
             pk_BKHP.astype(dtype),
             preferred_element_type=f32,
         )
         prompt_BKXP = jnp.where(prompt_mask_BP[:, None, None], prompt_BKXP * scale, _MASK_VALUE)
-        peak_RKMT = jnp.maximum(peak_RKMT, to_rows(jnp.max(prompt_BKXP, axis=-1)))
+        peak_RKMT = jnp.maximum(peak_RKMT, groups.to_rows(jnp.max(prompt_BKXP, axis=-1)))
     # Any common shift leaves the softmax unchanged: the maximum is a constant to autodiff.
     peak_RKMT = jax.lax.stop_gradient(peak_RKMT)
     weights_RKMTS = jnp.exp(scores_RKMTS - peak_RKMT[..., None])
@@ -315,18 +339,107 @@ def attend(
         v.astype(dtype),
         preferred_element_type=f32,
     )
+    weights_BKXP = None
     if prompt is not None:
-        weights_BKXP = jnp.exp(prompt_BKXP - to_prompts(peak_RKMT)[..., None])
-        total_RKMT = total_RKMT + to_rows(jnp.sum(weights_BKXP, axis=-1))
+        weights_BKXP = jnp.exp(prompt_BKXP - groups.to_prompts(peak_RKMT)[..., None])
+        total_RKMT = total_RKMT + groups.to_rows(jnp.sum(weights_BKXP, axis=-1))
         out_BKXH = jnp.einsum(
             "BKXP,BKPH->BKXH",
             weights_BKXP.astype(dtype),
             pv_BKPH.astype(dtype),
             preferred_element_type=f32,
         )
-        out_RKMTH = out_RKMTH + to_rows(out_BKXH)
+        out_RKMTH = out_RKMTH + groups.to_rows(out_BKXH)
     out_RKMTH = out_RKMTH / total_RKMT[..., None]
-    return out_RKMTH.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h).astype(dtype)
+    return out_RKMTH, (weights_RKMTS, weights_BKXP, total_RKMT)
+
+
+@jax.custom_vjp
+def _attention_cpu(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt):
+    """`_softmax_attention` in the heads-first layout, with a backward pass whose dots all read
+    their operands as XLA:CPU's matmul wants them ([rows, contracted] x [contracted or free
+    minor]): the large score-shaped arrays are never transposed, only the narrow [T, H] ones.
+    Autodiff instead copies the probabilities transposed and runs one of the dots outside
+    YNNPACK (benchmarks/README.md, session 20). The saved weights are the forward's, so the
+    output is not recomputed for the softmax's gradient (rowsum(do * o) needs o, not p v)."""
+    return _softmax_attention(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, True)[0]
+
+
+def _attention_cpu_fwd(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt):
+    out_RKMTH, (weights_RKMTS, weights_BKXP, total_RKMT) = _softmax_attention(
+        q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, True
+    )
+    saved = (q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, out_RKMTH)
+    return out_RKMTH, (saved, weights_RKMTS, weights_BKXP, total_RKMT)
+
+
+def _attention_cpu_bwd(residuals, dout_RKMTH):
+    """With p = w / total the probabilities and o the output: dv = p^T do, and the scores'
+    gradient ds = p (do v^T - rowsum(do o)) (zero where masked), then dq = ds k, dk = ds^T q,
+    times the score scale. Each transposed product is formed in the key layout [K, H, S]
+    as do^T p and q^T ds."""
+    (q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, out_RKMTH), weights_RKMTS, weights_BKXP, total = (
+        residuals
+    )
+    r, kh, m, t, h = q_RKMTH.shape
+    dtype, f32 = q_RKMTH.dtype, jnp.float32
+    scale = 1.0 / math.sqrt(h)
+    # do / total and rowsum(do o) / total: the unnormalised weights then stand in for p.
+    dos_RKMTH = dout_RKMTH.astype(f32) / total[..., None]
+    shift_RKMT = jnp.sum(dos_RKMTH * out_RKMTH, axis=-1)
+
+    def dots(batch, rows, keys, q, dos, shift, weights, mask, k, v):
+        """One part's gradients: queries [*batch, *rows, H], keys [*batch, H, keys], values
+        [*batch, keys, H]; returns dq and the keys' and values' gradients in their layouts."""
+        qh, ws, hs = f"{batch}{rows}H", f"{batch}{rows}{keys}", f"{batch}H{keys}"
+        kw = dict(preferred_element_type=f32)
+        grad_v = jnp.einsum(f"{qh},{ws}->{hs}", dos.astype(dtype), weights.astype(dtype), **kw)
+        dp = jnp.einsum(f"{qh},{batch}{keys}H->{ws}", dos.astype(dtype), v.astype(dtype), **kw)
+        ds = jnp.where(mask, weights * (dp - shift[..., None]) * scale, 0.0).astype(dtype)
+        dq = jnp.einsum(f"{ws},{hs}->{qh}", ds, k.astype(dtype), **kw)
+        grad_k = jnp.einsum(f"{qh},{ws}->{hs}", q, ds, **kw)
+        return dq, grad_k, jnp.swapaxes(grad_v, -1, -2)
+
+    dq_RKMTH, dk, dv = dots(
+        "RK",
+        "MT",
+        "S",
+        q_RKMTH,
+        dos_RKMTH,
+        shift_RKMT,
+        weights_RKMTS,
+        mask_RTS[:, None, None],
+        k_RKHS,
+        v_RKSH,
+    )
+    dprompt = None
+    if prompt is not None:
+        pk_BKHP, pv_BKPH, prompt_mask_BP = prompt
+        groups = _Groups(r, prompt_mask_BP.shape[0], kh, m, t)
+        dq_BKXH, dpk, dpv = dots(
+            "BK",
+            "X",
+            "P",
+            groups.to_prompts(q_RKMTH),
+            groups.to_prompts(dos_RKMTH),
+            groups.to_prompts(shift_RKMT),
+            weights_BKXP,
+            prompt_mask_BP[:, None, None],
+            pk_BKHP,
+            pv_BKPH,
+        )
+        dq_RKMTH = dq_RKMTH + groups.to_rows(dq_BKXH)
+        dprompt = (dpk.astype(pk_BKHP.dtype), dpv.astype(pv_BKPH.dtype), None)
+    return (
+        dq_RKMTH.astype(dtype),
+        dk.astype(k_RKHS.dtype),
+        dv.astype(v_RKSH.dtype),
+        None,
+        dprompt,
+    )
+
+
+_attention_cpu.defvjp(_attention_cpu_fwd, _attention_cpu_bwd)
 
 
 @flax.struct.dataclass
@@ -371,7 +484,12 @@ def banded_mask(seg_BL: Array, prompt_BP: Array, width: int, back: int = 1) -> B
 
 
 def banded_attend(
-    q_BLNH: Array, k_BLKH: Array, v_BLKH: Array, prefix_kv: tuple[Array, Array], mask: BandedMask
+    q_BLNH: Array,
+    k_BLKH: Array,
+    v_BLKH: Array,
+    prefix_kv: tuple[Array, Array],
+    mask: BandedMask,
+    platform: str = "",
 ) -> Array:
     """`attend` for packed rows under a `BandedMask`: each block of W queries is a row of its
     own whose keys are the prompt's (``prefix_kv``, each [B, P, K, H], shared by the row's
@@ -401,6 +519,7 @@ def banded_attend(
         mask.own_XWV,
         heads_first=True,
         prompt=prompt,
+        platform=platform,
     )
     return out.reshape(b, cols, n, h)
 

@@ -165,6 +165,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, stack=stack, rngs=rngs)
         self.mlp_norm = RMSNorm(d, "embed", eps, stack=stack, param_dtype=cfg.param_dtype)
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
+        self.platform = cfg.platform
 
     def __call__(
         self,
@@ -214,7 +215,9 @@ class Block(nnx.Module):
                 v_BTKH = jax.lax.dynamic_index_in_dim(v_LBSKH, layer, 0, keepdims=False)
                 new_kv = (k_LBSKH, v_LBSKH)
             if isinstance(mask_BTS, BandedMask):
-                return banded_attend(q_BTNH, k_BTKH, v_BTKH, prefix_kv, mask_BTS), new_kv
+                return banded_attend(
+                    q_BTNH, k_BTKH, v_BTKH, prefix_kv, mask_BTS, self.platform
+                ), new_kv
             if prefix_kv is not None:
                 pk_BPKH, pv_BPKH = prefix_kv
                 k_BTKH = jnp.concatenate([pk_BPKH.astype(k_BTKH.dtype), k_BTKH], axis=1)
