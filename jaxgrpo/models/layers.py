@@ -360,8 +360,9 @@ def _attention_cpu(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt):
     their operands as XLA:CPU's matmul wants them ([rows, contracted] x [contracted or free
     minor]): the large score-shaped arrays are never transposed, only the narrow [T, H] ones.
     Autodiff instead copies the probabilities transposed and runs one of the dots outside
-    YNNPACK (benchmarks/README.md, session 20). The saved weights are the forward's, so the
-    output is not recomputed for the softmax's gradient (rowsum(do * o) needs o, not p v)."""
+    YNNPACK (benchmarks/README.md, grpo_step, session 20). Its residuals are the forward's
+    unnormalised weights, their totals and the output, so the backward pass recomputes neither
+    the scores nor the output."""
     return _softmax_attention(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, True)[0]
 
 
