@@ -283,14 +283,8 @@ class _Groups:
     and back, for R = B * G rows: the prompt's scores have a group's queries as matmul rows."""
 
     def __init__(self, rows: int, prompts: int, kv_heads: int, m: int, t: int):
-        self.r, self.b, self.g, self.kh, self.m, self.t = (
-            rows,
-            prompts,
-            rows // prompts,
-            kv_heads,
-            m,
-            t,
-        )
+        self.r, self.b, self.kh, self.m, self.t = rows, prompts, kv_heads, m, t
+        self.g = rows // prompts
 
     def to_prompts(self, x_RKMT: Array) -> Array:
         rest = x_RKMT.shape[4:]
