@@ -33,6 +33,16 @@ def use_cpu_xla_flags() -> None:
 CACHE_ENV = "JAXGRPO_CACHE_DIR"
 
 
+def backend(platform: str = "") -> str:
+    """The backend a program is compiled for: `platform` ("cpu", "tpu", "gpu"), or JAX's
+    default backend when it is empty (a model traced without a mesh)."""
+    if platform:
+        return platform
+    import jax
+
+    return jax.default_backend()
+
+
 def compilation_cache_dir() -> str | None:
     """Where compiled programs are cached: ``$JAXGRPO_CACHE_DIR``, else
     ``$XDG_CACHE_HOME/jaxgrpo/xla`` (``~/.cache/jaxgrpo/xla``); None when set to ``off``."""

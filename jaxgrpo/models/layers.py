@@ -24,6 +24,7 @@ from flax import nnx
 
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.lora import LoRA
+from jaxgrpo.platform import backend
 from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
 
@@ -106,7 +107,7 @@ class Einsum(nnx.Module):
     def __call__(self, x: Array) -> Array:
         x = x.astype(self.dtype)
         kernel = self.kernel[...].astype(self.dtype)
-        if (self.platform or jax.default_backend()) == "cpu":
+        if backend(self.platform) == "cpu":
             y = project(x, kernel, self.n_in)
         else:  # XLA:TPU/GPU lay the plain backward out better (fewer bytes moved)
             y = jnp.tensordot(x, kernel, axes=self.n_in)
@@ -271,7 +272,7 @@ def attend(
     r, t, n, h = q_RTNH.shape
     kh = k.shape[1 if heads_first else 2]
     q_RKMTH = q_RTNH.reshape(r, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
-    if heads_first and (platform or jax.default_backend()) == "cpu":
+    if heads_first and backend(platform) == "cpu":
         out_RKMTH = _attention_cpu(q_RKMTH, k, v, mask_RTS, prompt)
     else:
         out_RKMTH = _softmax_attention(q_RKMTH, k, v, mask_RTS, prompt, heads_first)[0]

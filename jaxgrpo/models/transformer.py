@@ -46,6 +46,7 @@ from jaxgrpo.models.layers import (
 )
 from jaxgrpo.models.lora import LoRA
 from jaxgrpo.models.lora import merge as merge_lora
+from jaxgrpo.platform import backend
 from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
 
@@ -448,7 +449,7 @@ class Transformer(nnx.Module):
         """Whether the sampler's decode steps scan stacked layers (`ModelConfig.scan_decode`)."""
         if self.cfg.scan_decode is not None:
             return self.cfg.scan_decode
-        return (self.cfg.platform or jax.default_backend()) != "cpu"
+        return backend(self.cfg.platform) != "cpu"
 
     def decode_layers(self) -> list[DecodeLayer] | DecodeLayer:
         """The L layers in the decode layout: adapters folded in, matrices [out, in].

@@ -43,6 +43,7 @@ from flax import nnx
 
 from jaxgrpo.models.layers import banded_mask
 from jaxgrpo.models.transformer import Segment
+from jaxgrpo.platform import backend
 from jaxgrpo.rl.packing import Packing
 from jaxgrpo.types import Array, PyTree
 
@@ -147,7 +148,7 @@ def head_token_logprobs(
     """
     w_VD, dtype = model.head_weight(), _compute_dtype(model)
     n, t, d = h_RTD.shape
-    c = head_chunk(n, t, chunk_size, getattr(model.cfg, "platform", "") or jax.default_backend())
+    c = head_chunk(n, t, chunk_size, backend(getattr(model.cfg, "platform", "")))
     n_chunks = -(-t // c)
     pad = n_chunks * c - t
     if pad:
