@@ -18,6 +18,13 @@ import numpy as np
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.types import Array
 
+# A packed row is the longest group's tokens rounded up to a multiple of this many columns
+# where that is narrower than their half-octave bucket: with long completions scoring is most
+# of a step, and a group of 2,780 tokens then scores 2,816 columns, not 3,072 (the banded
+# attention's blocks are 128 wide there). Each new width compiles the scoring programs once
+# (`jaxgrpo.rl.rollout.ShapeBuckets`).
+PACK_STEP = 128
+
 
 class _Widths(Protocol):  # `jaxgrpo.rl.rollout.ShapeBuckets`
     def grow(self, name: str, width: int) -> int: ...
@@ -58,14 +65,16 @@ def pack(lengths_R: np.ndarray, group_size: int, t: int, buckets: _Widths | None
         buckets: the run's `ShapeBuckets`: L never falls below an earlier step's.
 
     Returns:
-        `Packing` with L = the half-octave bucket (2^k or 3 * 2^(k-1), at least 16, at most
-        G * T) of the longest group's total length: with short completions a group's row is far
-        shorter than G * T, and at most a third of the longest row is padding.
+        `Packing` with L = the longest group's total length rounded up to its half-octave
+        bucket (2^k or 3 * 2^(k-1), at least 16) or to a multiple of `PACK_STEP`, whichever is
+        smaller, at most G * T: with short completions a group's row is far shorter than G * T;
+        short rows keep few shapes, long ones less than `PACK_STEP` columns of padding.
     """
     lengths_BG = np.minimum(np.asarray(lengths_R), t).reshape(-1, group_size)
     b = lengths_BG.shape[0]
     longest = int(lengths_BG.sum(axis=1).max(initial=1))
     width = bucket_length(longest, 16, group_size * t, half_octaves=True)
+    width = min(width, -(-longest // PACK_STEP) * PACK_STEP)
     if buckets is not None:
         width = buckets.grow("packed", width)
     src = np.zeros((b, width), np.int32)
