@@ -217,22 +217,25 @@ def make_knobs(
 
 
 def auto_compact_rows(
-    n: int, rows_can_stop_early: bool, devices: int | None = None
+    n: int, rows_can_stop_early: bool, devices: int | None = None, max_new_tokens: int = 0
 ) -> tuple[int, ...]:
     """The default ``compact_rows``: R / 4 rows, then one row per device, once R >= 16, when
-    rows can stop before the end.
+    rows can stop before the end; with budgets longer than ``CACHE_STEP`` tokens R / 2 first.
 
     A GRPO batch's completions have a long tail (format_copy: mean 11 of 32 tokens, but most
     batches have a row that runs to 32), so most decode steps would run finished rows. Each
     level compiles another copy of the decode loop; a step's cost falls with its rows, so the
-    last straggler runs alone (figures: benchmarks/README.md). The compacted rows must still
-    split evenly over the ``devices`` the rows are sharded over (default: every device).
+    last straggler runs alone (figures: benchmarks/README.md). With long budgets completions
+    spread over hundreds of steps (gsm8k at 512 tokens: half the rows stop by about token 260
+    and the rest run to 512), so the R / 2 level's steps outweigh its compilation. The
+    compacted rows must still split evenly over the ``devices`` the rows are sharded over
+    (default: every device).
     """
     if not rows_can_stop_early or n < 16:
         return ()
     devices = devices or jax.device_count()
-    levels = sorted({n // 4, devices}, reverse=True)
-    return tuple(m for m in levels if 0 < m < n and m % devices == 0)
+    levels = {n // 4, devices} | ({n // 2} if max_new_tokens > CACHE_STEP else set())
+    return tuple(m for m in sorted(levels, reverse=True) if 0 < m < n and m % devices == 0)
 
 
 CACHE_STEP = 128  # completion-cache sizes of the decode loop: multiples of this
@@ -295,7 +298,9 @@ def sampler_programs(
     n = prompt_ids.shape[0] * int(num_samples)
     if compact_rows is None:
         can_stop_early = bool(eos_ids) or bool(repetition_ngram) or max_lengths is not None
-        compact_rows = auto_compact_rows(n, can_stop_early, _devices_of(prompt_ids))
+        compact_rows = auto_compact_rows(
+            n, can_stop_early, _devices_of(prompt_ids), int(max_new_tokens)
+        )
     cfg = LoopConfig(
         max_new_tokens=int(max_new_tokens),
         num_samples=int(num_samples),

@@ -523,6 +523,19 @@ def test_compacting_finished_rows_changes_no_completion(tiny, compact_rows):
     np.testing.assert_allclose(compact.logprobs, full.logprobs, rtol=1e-5, atol=1e-5)
 
 
+def test_default_compaction_levels():
+    """R / 4 rows then one per device; R / 2 first only for budgets over one cache step (where
+    completions spread over hundreds of steps); levels must split over the devices; none when
+    no row can stop early or the batch is small."""
+    from jaxgrpo.sampling.generate import CACHE_STEP, auto_compact_rows
+
+    assert auto_compact_rows(32, True, 1, CACHE_STEP) == (8, 1)
+    assert auto_compact_rows(32, True, 1, CACHE_STEP + 1) == (16, 8, 1)
+    assert auto_compact_rows(32, True, 8, 512) == (16, 8)
+    assert auto_compact_rows(64, True, 16, 512) == (32, 16)
+    assert auto_compact_rows(32, False, 1, 512) == () and auto_compact_rows(8, True, 1, 512) == ()
+
+
 def test_categorical_row_draws_do_not_depend_on_the_batch():
     """Row r of a batch draws the same token whether sampled with all rows or a subset."""
     x_nv = jax.random.normal(jax.random.key(3), (6, 3000))
