@@ -22,8 +22,10 @@ run it (jaxgrpo with its CLIs' allocator settings, TRL with the default one): a 
 (compilation for jaxgrpo), then `--steps` measured steps. Printed per run: median seconds per
 step, its split (sampling / reference pass / update; rewards are under 1%), completion tokens
 per second of sampling, and the child's peak resident memory (`ru_maxrss`: imports, model load,
-compilation and steps). `--json FILE` writes the rows; `--table FILE ...` prints the Markdown
-table of several such files (benchmarks/README.md).
+compilation and steps). A measured jaxgrpo step whose batch widths grew past the warm-up's
+compiles its programs again; the table names those seconds of XLA compilation. `--json FILE`
+writes the rows; `--table FILE ...` prints the Markdown table of several such files
+(benchmarks/README.md).
 
     python benchmarks/grpo_step.py [--steps 5] [--variants lora,full] [--frameworks jaxgrpo,trl]
     python benchmarks/grpo_step.py --task gsm8k --new-tokens 512 --model random:qwen2.5-0.5b
@@ -143,27 +145,38 @@ def jaxgrpo_config(w: Workload, lora: bool, extra: dict | None = None):
 
 def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
     """Warm-up + `w.steps` learner steps: seconds, phase split and sampling tokens/s per step."""
+    from jax import monitoring
+
     from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
     from jaxgrpo.train import build_parts
 
     use_cpu_xla_flags()
     keep_freed_memory()  # as jaxgrpo's CLIs run
     cfg = jaxgrpo_config(w, lora)
+    compiling = [0.0]  # XLA compilation seconds so far: a step whose widths grew compiles again
+    monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **_: (
+            compiling.__setitem__(0, compiling[0] + secs)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
     learner = build_parts(cfg)["learner"]
     state = learner.init_state()
     peaks = {"loaded": _peak_mb()}
     data = examples(w.task, w.prompts * (w.steps + 1))
     rows = []
     for i in range(w.steps + 1):
-        t0 = time.perf_counter()
+        t0, compiled = time.perf_counter(), compiling[0]
         state, m, _ = learner.step(state, data[i * w.prompts : (i + 1) * w.prompts])
         row = {"seconds": time.perf_counter() - t0, "tokens_per_s": m["tokens_per_s"]}
+        row["compile"] = compiling[0] - compiled
         row.update({k: m[f"time/{k}"] for k in PHASES})
         rows.append(row)
         print(
             f"  jaxgrpo step {i}: {row['seconds']:.2f} s  reward {m['reward/mean']:.3f}  "
             f"length {m['completion/length_mean']:.0f}  update in {m['micro_batches']:.0f} "
-            f"micro-batch(es)  peak {_peak_mb():.0f} MB",
+            f"micro-batch(es)  compiling {row['compile']:.1f} s  peak {_peak_mb():.0f} MB",
             flush=True,
         )
         peaks.setdefault("first_step", _peak_mb())
@@ -298,7 +311,8 @@ def _time_trl_phases(trainer, current: dict) -> None:
 
 def summarize(rows: list[dict]) -> dict:
     """Per-step rows -> medians (seconds, each phase, tokens/s) and the rows themselves."""
-    out = {k: statistics.median(r[k] for r in rows) for k in ("seconds", *PHASES, "tokens_per_s")}
+    keys = ("seconds", *PHASES, "tokens_per_s", "compile")
+    out = {k: statistics.median(r[k] for r in rows) for k in keys if all(k in r for r in rows)}
     return {**out, "steps": rows}
 
 
@@ -349,7 +363,8 @@ def table_rows(result: dict) -> list[str]:
             w["task"],
             str(w["new_tokens"]),
             variant + (f", {w['grad_accum']} micro-batches" if w.get("grad_accum", 1) > 1 else ""),
-            cell(j, "{:.2f}", "seconds"),
+            cell(j, "{:.2f}", "seconds")
+            + (f" ({j['compile']:.1f} compiling)" if j and j.get("compile", 0) >= 0.5 else ""),
             cell(t, "{:.2f}", "seconds"),
             f"**{t['seconds'] / j['seconds']:.2f}x**" if both else "-",
             split(j),
