@@ -147,7 +147,7 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
     """Warm-up + `w.steps` learner steps: seconds, phase split and sampling tokens/s per step."""
     from jax import monitoring
 
-    from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
+    from jaxgrpo.platform import BACKEND_COMPILE_EVENT, keep_freed_memory, use_cpu_xla_flags
     from jaxgrpo.train import build_parts
 
     use_cpu_xla_flags()
@@ -157,7 +157,7 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
     monitoring.register_event_duration_secs_listener(
         lambda event, secs, **_: (
             compiling.__setitem__(0, compiling[0] + secs)
-            if event == "/jax/core/compile/backend_compile_duration"
+            if event == BACKEND_COMPILE_EVENT
             else None
         )
     )

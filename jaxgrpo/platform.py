@@ -128,6 +128,10 @@ def keep_freed_memory() -> bool:
     return _keeping
 
 
+# The `jax.monitoring` duration event XLA emits when it finishes compiling a program.
+BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
 def _release_after_compiles() -> None:
     """Trims the heap each time XLA finishes compiling a program (registered once)."""
     from jax import monitoring
@@ -139,7 +143,7 @@ def _release_after_compiles() -> None:
 
     def listener(event: str, duration: float, **_) -> None:
         del duration
-        if event == "/jax/core/compile/backend_compile_duration":
+        if event == BACKEND_COMPILE_EVENT:
             release_freed_memory()
 
     monitoring.register_event_duration_secs_listener(listener)

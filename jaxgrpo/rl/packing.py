@@ -68,7 +68,8 @@ def pack(lengths_R: np.ndarray, group_size: int, t: int, buckets: _Widths | None
         `Packing` with L = the longest group's total length rounded up to its half-octave
         bucket (2^k or 3 * 2^(k-1), at least 16) or to a multiple of `PACK_STEP`, whichever is
         smaller, at most G * T: with short completions a group's row is far shorter than G * T;
-        short rows keep few shapes, long ones less than `PACK_STEP` columns of padding.
+        short rows keep few shapes, and a long row pads its longest group by less than
+        `PACK_STEP` columns.
     """
     lengths_BG = np.minimum(np.asarray(lengths_R), t).reshape(-1, group_size)
     b = lengths_BG.shape[0]
