@@ -79,6 +79,7 @@ def model_config(cfg: Any, platform: str) -> ModelConfig:
         dtype=m.dtype,
         param_dtype=m.param_dtype,
         remat=m.remat,
+        remat_policy=m.remat_policy_on(platform),
         unroll_layers=unroll,
         platform=platform,
     )
@@ -302,6 +303,7 @@ def compile_step(
         updates_per_step=learner.updates_per_step,
         old_logp=learner.old_from,
         remat=model_cfg.remat,
+        remat_policy=model_cfg.remat_policy,
         unroll_layers=model_cfg.unroll_layers,
     )
     return programs, facts

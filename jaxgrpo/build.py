@@ -83,9 +83,13 @@ def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
     lora = None
     if spec.lora_rank > 0:
         lora = LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha, targets=spec.lora_targets)
-    unroll = unroll_layers(spec)
+    layout = dict(
+        remat=spec.remat,
+        remat_policy=spec.remat_policy_on(jax.default_backend()),
+        unroll_layers=unroll_layers(spec),
+    )
     if spec.source == "tiny":
-        return tiny_model(lora, seed=seed, dtype=spec.param_dtype, mesh=mesh, unroll_layers=unroll)
+        return tiny_model(lora, seed=seed, dtype=spec.param_dtype, mesh=mesh, **layout)
     source = smollm2_path() if spec.source == "smollm2" else spec.source
     return load_model(
         source,
@@ -93,9 +97,8 @@ def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
         lora=lora,
         mesh=mesh,
         param_dtype=spec.param_dtype,
-        remat=spec.remat,
-        unroll_layers=unroll,
         seed=seed,
+        **layout,
     )
 
 

@@ -70,6 +70,8 @@ def _suggest(name: str, mem: dict, cfg: Any) -> str:
         return "mesh.tensor > 1, or fewer rl.prompts_per_step / sampling.max_new_tokens"
     if not cfg.model.remat:
         return "model.remat=True"
+    if cfg.model.remat_policy == "projections":
+        return "model.remat_policy='full'"
     return "a larger rl.grad_accum (smaller micro-batches)"
 
 

@@ -22,6 +22,7 @@ from ml_collections import ConfigDict
 
 from jaxgrpo.config_checks import ConfigError, check_mesh, unknown_key_error, validate
 from jaxgrpo.configs import base
+from jaxgrpo.models.config import auto_remat_policy
 from jaxgrpo.rl.losses import LOSS_PRESETS
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -35,10 +36,18 @@ class ModelSpec:
     dtype: str
     param_dtype: str
     remat: bool
+    remat_policy: str
     layer_loop: str
     lora_rank: int
     lora_alpha: float
     lora_targets: tuple[str, ...]
+
+    def remat_policy_on(self, platform: str) -> str:
+        """``remat_policy`` on ``platform`` ("cpu", "tpu", "gpu"), "auto" resolved
+        (``models.config.auto_remat_policy``)."""
+        if self.remat_policy != "auto":
+            return self.remat_policy
+        return auto_remat_policy(self.lora_rank > 0, platform)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,7 +20,7 @@ from jaxgrpo import presets
 from jaxgrpo.configs import base
 from jaxgrpo.data import TASKS
 from jaxgrpo.errors import UserError
-from jaxgrpo.models.config import LORA_TARGETS
+from jaxgrpo.models.config import LORA_TARGETS, REMAT_POLICIES
 from jaxgrpo.rewards import REWARDS, Curriculum
 from jaxgrpo.rl.advantages import BASELINES, SCALES
 from jaxgrpo.rl.kl import KL_ESTIMATORS
@@ -281,6 +281,7 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     _one_of(cfg, "model.param_dtype", ("float32", "bfloat16"))
     _check_source(cfg.model.source)
     _one_of(cfg, "model.layer_loop", ("auto", "scan", "unroll"))
+    _one_of(cfg, "model.remat_policy", ("auto", *REMAT_POLICIES))
     _require(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0", cfg.model.lora_rank)
     _require(cfg.model.lora_alpha > 0, "model.lora_alpha", "must be > 0", cfg.model.lora_alpha)
     bad = [t for t in cfg.model.lora_targets if t not in LORA_TARGETS]

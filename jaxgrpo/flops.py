@@ -21,13 +21,17 @@ def matmul_params(cfg: ModelConfig) -> int:
     return memory.base_param_count(cfg) - head - d
 
 
+def _attention(cfg: ModelConfig, tokens: float, context: float) -> float:
+    """The attention core (scores and weighted sum) of ``tokens`` queries over ``context`` keys
+    on average, every layer."""
+    return 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * context
+
+
 def _forward(cfg: ModelConfig, tokens: float, context: float, logits: float) -> float:
     """A forward pass over ``tokens`` tokens attending ``context`` keys on average, with the
     LM head applied at ``logits`` positions."""
-    attn = 4.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * tokens * context
-    return (
-        2.0 * matmul_params(cfg) * tokens + attn + 2.0 * cfg.vocab_size * cfg.hidden_size * logits
-    )
+    head = 2.0 * cfg.vocab_size * cfg.hidden_size * logits
+    return 2.0 * matmul_params(cfg) * tokens + _attention(cfg, tokens, context) + head
 
 
 def prefill(cfg: ModelConfig, prompts: int, prompt_len: int) -> float:
@@ -50,10 +54,19 @@ def score(cfg: ModelConfig, prompts: int, prompt_len: int, rows: int, new_tokens
 def update(cfg: ModelConfig, prompts: int, prompt_len: int, rows: int, new_tokens: int) -> float:
     """One minibatch's forward and backward: the backward pass costs twice the forward with
     full fine-tuning (activation and weight gradients), once with LoRA (activation gradients
-    only; the adapters' own matmuls are negligible), plus one more forward with remat."""
+    only; the adapters' own matmuls are negligible), plus what remat recomputes: one more
+    forward, or with ``remat_policy="projections"`` only the attention core."""
     forward = score(cfg, prompts, prompt_len, rows, new_tokens)
     backward = 1.0 if cfg.lora is not None else 2.0
-    return forward * (1.0 + backward + (1.0 if cfg.remat else 0.0))
+    recompute = 0.0
+    if cfg.remat and cfg.remat_policy == "projections":
+        prompt_attention = _attention(cfg, prompts * prompt_len, prompt_len / 2)
+        recompute = prompt_attention + _attention(
+            cfg, rows * new_tokens, prompt_len + new_tokens / 2
+        )
+    elif cfg.remat:
+        recompute = forward
+    return forward * (1.0 + backward) + recompute
 
 
 def weight_bytes(cfg: ModelConfig) -> float:

@@ -22,9 +22,11 @@ The estimate is arithmetic on the model's shapes, with no model built:
   prompt once per group, the completions against its repeated cache): per token and layer the
   block's inputs, q/k/v, attention output, MLP hidden and SwiGLU product, plus float32 attention
   scores (packed completions attend in bands, ``rl.logprobs.band_layout``); with ``remat`` only
-  each block's input is kept, and one block is live at a time. The logits are chunked over T
-  (``rl/logprobs.py``, ``head_chunk`` positions), float32. With fsdp > 1 the update also holds the
-  embedding, the LM head and two layers' weights gathered whole over fsdp.
+  each block's input is kept (with ``remat_policy="projections"`` also its projections'
+  outputs, ``models.layers.PROJECTION_OUTPUTS``), and one block is live at a time. The logits
+  are chunked over T (``rl/logprobs.py``, ``head_chunk`` positions), float32. With fsdp > 1 the
+  update also holds the embedding, the LM head and two layers' weights gathered whole over
+  fsdp.
 
 Parameters, optimizer state and cache are checked against real arrays by the tests; the
 activations are an order-of-magnitude figure (XLA fuses and reuses buffers), checked against
@@ -241,8 +243,10 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
     scores = 3 * 4.0 * n * (prompts * run.prompt_len**2 + own)
     cache = 2.0 * rows * seq * k * h * cb  # the repeated prompt cache, per layer
     layer = tokens * per_token + scores + cache
-    if cfg.remat:
-        kept = cfg.num_layers * tokens * d * cb + layer
+    if cfg.remat:  # each block's input, and with "projections" `layers.PROJECTION_OUTPUTS`
+        projections = 2 * n * h + 2 * k * h + d + 2 * f / tensor
+        per_kept = d + (projections if cfg.remat_policy == "projections" else 0)
+        kept = cfg.num_layers * tokens * per_kept * cb + layer
     else:
         kept = cfg.num_layers * layer
     # One logits block of each row (`head_chunk`): packed, a row is a prompt's G completions.
@@ -286,8 +290,9 @@ def model_config(source: str, *, lora: Any = None, **overrides: Any) -> ModelCon
     )
 
 
-def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
-    """(ModelConfig, RunShape) of a ``TrainConfig``; ``model`` replaces ``cfg.model.source``."""
+def from_train_config(cfg: Any, prompt_len: int, model: str | None = None, platform: str = "tpu"):
+    """(ModelConfig, RunShape) of a ``TrainConfig`` run on ``platform`` (which remat policy
+    "auto" picks); ``model`` replaces ``cfg.model.source``."""
     from jaxgrpo.models.config import LoRAConfig
 
     m = cfg.model
@@ -295,7 +300,12 @@ def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
     if m.lora_rank > 0:
         lora = LoRAConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
     model_cfg = model_config(
-        model or m.source, lora=lora, dtype=m.dtype, param_dtype=m.param_dtype, remat=m.remat
+        model or m.source,
+        lora=lora,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        remat_policy=m.remat_policy_on(platform),
     )
     rl = cfg.rl
     run = RunShape(
@@ -424,7 +434,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.config:
             parser.error("--config (or --table) is required")
         cfg = config_lib.load_config(args.config, overrides)
-        model_cfg, run = from_train_config(cfg, args.prompt_len, args.model)
+        chip = get_preset(args.preset).chip if args.preset else "cpu"
+        platform = "cpu" if chip == "cpu" else "tpu"  # GPUs pick what TPUs do
+        model_cfg, run = from_train_config(cfg, args.prompt_len, args.model, platform)
         print(report(model_cfg, run, args.preset))
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

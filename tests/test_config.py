@@ -8,7 +8,7 @@ import pytest
 from ml_collections import ConfigDict
 
 from jaxgrpo import config as config_lib
-from jaxgrpo.build import unroll_layers
+from jaxgrpo.build import build_model, unroll_layers
 from jaxgrpo.config import ConfigError, load_config, shipped_configs, to_train_config
 from jaxgrpo.configs import base
 from jaxgrpo.configs.base import JUDGE_PROMPT
@@ -58,6 +58,7 @@ BAD_OVERRIDES = [
     ({"model.lora_targets": ("q", "qkv")}, "model.lora_targets"),
     ({"model.dtype": "float16"}, "model.dtype"),
     ({"model.layer_loop": "while"}, "model.layer_loop"),
+    ({"model.remat_policy": "dots"}, "model.remat_policy"),
     ({"optim.schedule": "linear"}, "optim.schedule"),
     ({"optim.lr": 0.0}, "optim.lr"),
     ({"mesh.data": -1, "mesh.fsdp": -1}, "mesh.fsdp"),
@@ -157,6 +158,21 @@ def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu_without_remat():
     assert resolve(lora_rank=0, remat=False) and not resolve(lora_rank=8, remat=False)
     assert not resolve(lora_rank=0), "remat (the default) keeps the scan"
     assert resolve(lora_rank=8, layer_loop="unroll") and not resolve(lora_rank=0, layer_loop="scan")
+
+
+def test_remat_policy_auto_keeps_projections_for_lora_on_cpu_and_the_tiny_model_honours_it():
+    def spec(**overrides):
+        return load_config("tiny", {f"model.{k}": v for k, v in overrides.items()}).model
+
+    assert spec(lora_rank=8).remat_policy_on("cpu") == "projections"
+    assert spec(lora_rank=8).remat_policy_on("tpu") == "full"
+    assert spec(lora_rank=0).remat_policy_on("cpu") == "full"
+    assert spec(lora_rank=8, remat_policy="full").remat_policy_on("cpu") == "full"
+    assert spec(lora_rank=0, remat_policy="projections").remat_policy_on("tpu") == "projections"
+    model, _ = build_model(spec(lora_rank=8), seed=0)
+    assert model.cfg.remat and model.cfg.remat_policy == "projections"
+    model, _ = build_model(spec(lora_rank=8, remat=False), seed=0)
+    assert not model.cfg.remat
 
 
 def test_train_config_is_frozen_and_typed():

@@ -228,6 +228,7 @@ def load_model(
     param_dtype: str | None = None,
     tokenizer=None,
     remat: bool = False,
+    remat_policy: str = "full",
     unroll_layers: bool = False,
     seed: int = 0,
 ) -> tuple[Transformer, Tokenizer]:
@@ -247,6 +248,7 @@ def load_model(
       param_dtype: storage dtype of the weights when it differs from ``dtype``.
       tokenizer: override the checkpoint's tokenizer (a ``Tokenizer``, directory or .gguf).
       remat: recompute each block in the backward pass.
+      remat_policy: what remat keeps (``ModelConfig.remat_policy``).
       unroll_layers: unroll the layer scan (``ModelConfig.unroll_layers``).
       seed: seed of the LoRA A initialisation.
 
@@ -265,6 +267,7 @@ def load_model(
         dtype=dtype,
         lora=_as_lora(lora),
         remat=remat,
+        remat_policy=remat_policy,
         unroll_layers=unroll_layers,
         platform="" if mesh is None else mesh.devices.flat[0].platform,
     )

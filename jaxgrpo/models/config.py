@@ -13,6 +13,17 @@ import dataclasses
 from typing import Any
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
+REMAT_POLICIES = ("full", "projections")  # ModelConfig.remat_policy
+
+
+def auto_remat_policy(lora: bool, platform: str) -> str:
+    """The remat policy "auto" picks. LoRA on CPU keeps the projections' outputs: its update
+    holds no model-sized gradients or optimizer state, so host memory has room for them, and
+    the backward pass then recomputes no projection. Elsewhere nothing: at a pod run's sizes
+    keeping them triples the update's activations (``python -m jaxgrpo.memory --table``);
+    choose "projections" where ``jaxgrpo.memory`` says it fits."""
+    return "projections" if lora and platform == "cpu" else "full"
+
 
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -75,6 +86,10 @@ class ModelConfig:
         param_dtype: storage dtype of the weights, "float32" or "bfloat16".
         dtype: compute dtype of matmuls; norms, softmax and logits stay float32.
         remat: recompute each block in the backward pass (jax.checkpoint) to save memory.
+        remat_policy: what remat keeps of a block besides its input: "full" nothing (the
+            least memory), "projections" the outputs of its projections
+            (`layers.PROJECTION_OUTPUTS`), so the backward pass recomputes the attention core
+            and elementwise work but no projection.
         unroll_layers: run the stacked layers as an unrolled loop instead of `lax.scan`. The
             program is L copies of a layer (longer compile), but the backward pass writes no
             stacked [L, ...] residual and gradient buffers: faster for a full fine-tuning update
@@ -109,6 +124,7 @@ class ModelConfig:
     param_dtype: str = "float32"
     dtype: str = "float32"
     remat: bool = False
+    remat_policy: str = "full"
     unroll_layers: bool = False
     scan_decode: bool | None = None
     lora: LoRAConfig | None = None
@@ -125,6 +141,11 @@ class ModelConfig:
             )
         if isinstance(self.rope_scaling, dict):
             object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.remat_policy not in REMAT_POLICIES:
+            raise ValueError(
+                f"remat_policy must be one of {', '.join(REMAT_POLICIES)}, "
+                f"got {self.remat_policy!r}."
+            )
         for name in ("param_dtype", "dtype"):
             if getattr(self, name) not in ("float32", "bfloat16"):
                 raise ValueError(

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.lora import LoRA
@@ -37,6 +38,12 @@ X_AXES = ("act_batch", "act_length", "act_embed")  # residual stream [B, T, D]
 HEAD_AXES = ("act_batch", "act_length", "act_heads", "act_head_dim")  # queries [B, T, N, H]
 KV_AXES = ("act_batch", "act_length", "act_kv_heads", "act_head_dim")  # keys, values [B, T, K, H]
 MLP_AXES = ("act_batch", "act_length", "act_mlp")  # SwiGLU product [B, T, F]
+
+# What `decoder_layer` names for a remat policy to keep (`jax.ad_checkpoint.checkpoint_name`):
+# the outputs of its projections (q and k after RoPE, v, the attention output the o projection
+# reads, gate and up) and the residual stream between attention and MLP. A backward pass that
+# keeps them recomputes only the attention core and elementwise work, not the projections.
+PROJECTION_OUTPUTS = ("q", "k", "v", "attention", "mid_residual", "gate", "up")
 
 
 def dtype_of(name: str) -> jnp.dtype:
@@ -557,7 +564,8 @@ def decoder_layer(
     attend_fn: AttendFn,
     ctx: ShardingCtx | None,
 ) -> tuple[Array, Any]:
-    """One pre-norm layer: `x + o(attn(rope(qkv(norm(x)))))`, then `x + down(SwiGLU(norm(x)))`.
+    """One pre-norm layer: `x + o(attn(rope(qkv(norm(x)))))`, then `x + down(SwiGLU(norm(x)))`,
+    with its `PROJECTION_OUTPUTS` named for remat policies.
 
     Args:
         w: the layer's weights.
@@ -570,11 +578,14 @@ def decoder_layer(
         (new residual stream, what `attend_fn` returned besides the attention output).
     """
     q_BTNH, k_BTKH, v_BTKH = w.qkv(w.attn_norm(x_BTD))
-    q_BTNH = shard_act(apply_rope(q_BTNH, cos, sin), HEAD_AXES, ctx)
-    k_BTKH = shard_act(apply_rope(k_BTKH, cos, sin), KV_AXES, ctx)
-    attn_BTNH, kv = attend_fn(q_BTNH, k_BTKH, shard_act(v_BTKH, KV_AXES, ctx))
-    x_BTD = x_BTD + w.o(attn_BTNH).astype(x_BTD.dtype)
+    q_BTNH = checkpoint_name(shard_act(apply_rope(q_BTNH, cos, sin), HEAD_AXES, ctx), "q")
+    k_BTKH = checkpoint_name(shard_act(apply_rope(k_BTKH, cos, sin), KV_AXES, ctx), "k")
+    v_BTKH = checkpoint_name(shard_act(v_BTKH, KV_AXES, ctx), "v")
+    attn_BTNH, kv = attend_fn(q_BTNH, k_BTKH, v_BTKH)
+    attn_BTNH = checkpoint_name(attn_BTNH, "attention")
+    x_BTD = checkpoint_name(x_BTD + w.o(attn_BTNH).astype(x_BTD.dtype), "mid_residual")
     gate_BTF, up_BTF = w.gate_up(w.mlp_norm(x_BTD))
+    gate_BTF, up_BTF = checkpoint_name(gate_BTF, "gate"), checkpoint_name(up_BTF, "up")
     act_BTF = shard_act(jax.nn.silu(gate_BTF) * up_BTF, MLP_AXES, ctx)
     x_BTD = x_BTD + w.down(act_BTF).astype(x_BTD.dtype)
     return shard_act(x_BTD, X_AXES, ctx), kv

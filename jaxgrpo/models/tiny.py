@@ -96,6 +96,8 @@ def tiny_model(
     mesh: Any = None,
     rules: Any = None,
     unroll_layers: bool = False,
+    remat: bool = False,
+    remat_policy: str = "full",
 ):
     """Builds the random tiny model and its tokenizer.
 
@@ -106,11 +108,14 @@ def tiny_model(
         mesh: optional mesh; parameters are then created sharded by `rules`.
         rules: logical-axis rules (default `jaxgrpo.sharding.TRAIN_RULES`).
         unroll_layers: unroll the layer scan (`ModelConfig.unroll_layers`).
+        remat / remat_policy: as `ModelConfig`'s.
 
     Returns:
         (model, tokenizer).
     """
-    cfg = tiny_model_config(lora, dtype).replace(unroll_layers=unroll_layers)
+    cfg = tiny_model_config(lora, dtype).replace(
+        unroll_layers=unroll_layers, remat=remat, remat_policy=remat_policy
+    )
     if mesh is not None:
         model = random_model(cfg, seed, mesh=mesh, rules=rules)
     else:

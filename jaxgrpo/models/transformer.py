@@ -34,6 +34,7 @@ from jaxgrpo.models.decode import (
 )
 from jaxgrpo.models.kv_cache import KVCache, LayerKVCache
 from jaxgrpo.models.layers import (
+    PROJECTION_OUTPUTS,
     X_AXES,
     BandedMask,
     Einsum,
@@ -49,6 +50,9 @@ from jaxgrpo.models.lora import merge as merge_lora
 from jaxgrpo.platform import backend
 from jaxgrpo.sharding import ShardingCtx, shard_act
 from jaxgrpo.types import Array
+
+# remat_policy="projections": the layer's named projection outputs stay for the backward pass.
+_KEEP_PROJECTIONS = jax.checkpoint_policies.save_only_these_names(*PROJECTION_OUTPUTS)
 
 
 def _einsum_kw(cfg: ModelConfig, stack: tuple[int, ...], rngs: nnx.Rngs) -> dict:
@@ -320,7 +324,8 @@ class Transformer(nnx.Module):
         layers. This is how the scoring passes share prompts: a batch's common prefix, each
         prompt's own tokens attending it, then the completions attending both, as three
         segments. One scan (not one per segment) means one gradient accumulator per weight in
-        the backward pass, and with remat one saved input per layer and segment.
+        the backward pass, and with remat one saved input per layer and segment (plus, with
+        remat_policy "projections", the layer's projection outputs).
 
         `layer_grad_acc` (the stacked layers' state, e.g. a gradient accumulator) is added
         into the layers' gradient in place as the backward pass produces it
@@ -357,12 +362,16 @@ class Transformer(nnx.Module):
 
         unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
         init = tuple(x[0] for x in inputs)
+        remat = self.cfg.remat
+        if remat and self.cfg.remat_policy == "projections":
+            # Its residuals are the block's input and the named outputs; the loop keeps them.
+            body, remat = jax.checkpoint(body, policy=_KEEP_PROJECTIONS), False
         if layer_grad_acc is None:
-            step = jax.checkpoint(body) if self.cfg.remat else body
+            step = jax.checkpoint(body) if remat else body
             xs, _ = jax.lax.scan(lambda c, x: (step(c, x), None), init, state, unroll=unroll)
         else:
             xs = scan_adding_gradients(
-                body, init, state, layer_grad_acc, unroll=unroll, remat=self.cfg.remat
+                body, init, state, layer_grad_acc, unroll=unroll, remat=remat
             )
         return [self.final_norm(x_BTD) for x_BTD in xs]
 

@@ -55,7 +55,9 @@ def _loss(model, ids, weight, layer_grad_acc=None):
 
 
 @pytest.mark.parametrize(
-    "layout", [{}, {"unroll_layers": True}, {"remat": True}], ids=["scan", "unrolled", "remat"]
+    "layout",
+    [{}, {"unroll_layers": True}, {"remat": True}, {"remat": True, "remat_policy": "projections"}],
+    ids=["scan", "unrolled", "remat", "remat_projections"],
 )
 def test_layer_scan_adds_the_accumulator_into_the_layers_gradient(layout):
     """With `layer_grad_acc`, the stacked layers' gradient is the plain one plus the

@@ -289,6 +289,53 @@ def test_remat_and_bfloat16():
     np.testing.assert_allclose(np.asarray(logits_bf), np.asarray(logits), atol=2e-2)
 
 
+def _dots(jaxpr) -> int:
+    """dot_general equations of a jaxpr, counted into every sub-jaxpr (scan, remat bodies)."""
+    n = 0
+    for eqn in jaxpr.eqns:
+        n += eqn.primitive.name == "dot_general"
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            n += _dots(sub)
+    return n
+
+
+@pytest.mark.parametrize("lora", [None, LoRAConfig(rank=4, alpha=8.0)], ids=["full", "lora"])
+def test_remat_keeping_projections_recomputes_only_the_attention_core(lora):
+    """remat_policy="projections" changes what the backward pass recomputes, not the math:
+    gradients equal those without remat (float32, 1e-5). Its gradient program has the
+    projections' matmuls once, where full remat has them twice: per layer, the recomputed
+    forward drops the projections, keeping the two attention dots (and LoRA's x @ A)."""
+    cfg = _tiny_cfg(lora=lora)
+    model = random_model(cfg)
+    ids = jnp.arange(16, dtype=jnp.int32).reshape(2, 8) * 5 % 128
+    graphdef, state = nnx.split(model)
+    trainable = nnx.LoRAParam if lora else nnx.Param
+
+    def grad_fn(**layout):
+        def loss(params, rest):
+            m = nnx.merge(graphdef, params, rest)
+            m.cfg = m.cfg.replace(**layout)
+            return jnp.mean(jax.nn.log_softmax(m(ids))[..., 0])
+
+        params, rest = state.split(trainable, ...)
+        return jax.jit(jax.grad(loss)), (params, rest)
+
+    plain, args = grad_fn(remat=False)
+    kept, _ = grad_fn(remat=True, remat_policy="projections")
+    full, _ = grad_fn(remat=True, remat_policy="full")
+    want = plain(*args)
+    for g, w in zip(jax.tree.leaves(kept(*args)), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+    dots = {name: _dots(jax.make_jaxpr(f)(*args).jaxpr) for name, f in
+            (("plain", plain), ("kept", kept), ("full", full))}  # fmt: skip
+    # Recomputed per layer body: with the projections kept, the attention scores and weighted
+    # sum, and with LoRA each adapter's rank-R product x @ A (its B's gradient needs it);
+    # with full remat also at least the q, k, v and gate/up projections.
+    kept_extra = dots["kept"] - dots["plain"]
+    assert kept_extra <= 2 + (len(lora.targets) if lora else 0), dots
+    assert dots["full"] - dots["plain"] >= kept_extra + 4, dots
+
+
 def test_unrolled_layers_equal_the_scan():
     """`unroll_layers` changes the program, not the math: logits, gradients and a cached
     prefill + decode step equal the scanned layers' (float32, 1e-5)."""
