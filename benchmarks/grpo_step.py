@@ -15,7 +15,8 @@ Options scale the work: `--new-tokens N` (TRL's `max_completion_length`), `--gro
 exact-answer reward, so completions are reasoning of varying length) and
 `--model random:qwen2.5-0.5b` (random weights of Qwen2.5-0.5B's shape with SmolLM2's
 tokenizer, saved once as a Hugging Face directory both load; a random model never stops, so
-every completion runs all N tokens).
+every completion runs all N tokens). `--set key=value ...` overrides jaxgrpo's config (e.g.
+`model.remat_policy=projections`); TRL's is unchanged.
 
 Each (framework, variant) runs in a fresh child process, one after the other, as its users
 run it (jaxgrpo with its CLIs' allocator settings, TRL with the default one): a warm-up step
@@ -62,6 +63,7 @@ class Workload:
     steps: int = 5
     hf_dir: str = ""
     grad_accum: int = 1
+    jaxgrpo_set: tuple[str, ...] = ()  # jaxgrpo config overrides, "key=value"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -152,7 +154,9 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
 
     use_cpu_xla_flags()
     keep_freed_memory()  # as jaxgrpo's CLIs run
-    cfg = jaxgrpo_config(w, lora)
+    from jaxgrpo.config import config_override
+
+    cfg = jaxgrpo_config(w, lora, dict(config_override(s) for s in w.jaxgrpo_set))
     compiling = [0.0]  # XLA compilation seconds so far: a step whose widths grew compiles again
     monitoring.register_event_duration_secs_listener(
         lambda event, secs, **_: (
@@ -362,7 +366,9 @@ def table_rows(result: dict) -> list[str]:
             w["model"],
             w["task"],
             str(w["new_tokens"]),
-            variant + (f", {w['grad_accum']} micro-batches" if w.get("grad_accum", 1) > 1 else ""),
+            variant
+            + (f", {w['grad_accum']} micro-batches" if w.get("grad_accum", 1) > 1 else "")
+            + "".join(f", {s}" for s in w.get("jaxgrpo_set", ())),
             cell(j, "{:.2f}", "seconds")
             + (f" ({j['compile']:.1f} compiling)" if j and j.get("compile", 0) >= 0.5 else ""),
             cell(t, "{:.2f}", "seconds"),
@@ -393,6 +399,9 @@ def main() -> None:
     )
     parser.add_argument("--model", default="smollm2", choices=sorted(MODELS))
     parser.add_argument("--hf_dir", default="", help="where the shared HF directory is kept")
+    parser.add_argument(
+        "--set", nargs="*", default=[], help="jaxgrpo config overrides key=value (TRL unchanged)"
+    )
     parser.add_argument("--json", default="", help="also write the results here")
     parser.add_argument("--table", nargs="+", help="print the Markdown table of --json files")
     args = parser.parse_args()
@@ -415,6 +424,7 @@ def main() -> None:
         args.steps,
         hf_dir,
         args.grad_accum,
+        tuple(args.set),
     )
     print(f"workload: {w}", flush=True)
     runs: dict[str, dict] = {}

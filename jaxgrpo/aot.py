@@ -79,7 +79,7 @@ def model_config(cfg: Any, platform: str) -> ModelConfig:
         dtype=m.dtype,
         param_dtype=m.param_dtype,
         remat=m.remat,
-        remat_policy=m.remat_policy_on(platform),
+        remat_policy=m.remat_policy,
         unroll_layers=unroll,
         platform=platform,
     )

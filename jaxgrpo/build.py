@@ -85,7 +85,7 @@ def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
         lora = LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha, targets=spec.lora_targets)
     layout = dict(
         remat=spec.remat,
-        remat_policy=spec.remat_policy_on(jax.default_backend()),
+        remat_policy=spec.remat_policy,
         unroll_layers=unroll_layers(spec),
     )
     if spec.source == "tiny":

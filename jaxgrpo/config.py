@@ -22,7 +22,6 @@ from ml_collections import ConfigDict
 
 from jaxgrpo.config_checks import ConfigError, check_mesh, unknown_key_error, validate
 from jaxgrpo.configs import base
-from jaxgrpo.models.config import auto_remat_policy
 from jaxgrpo.rl.losses import LOSS_PRESETS
 
 SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
@@ -41,13 +40,6 @@ class ModelSpec:
     lora_rank: int
     lora_alpha: float
     lora_targets: tuple[str, ...]
-
-    def remat_policy_on(self, platform: str) -> str:
-        """``remat_policy`` on ``platform`` ("cpu", "tpu", "gpu"), "auto" resolved
-        (``models.config.auto_remat_policy``)."""
-        if self.remat_policy != "auto":
-            return self.remat_policy
-        return auto_remat_policy(self.lora_rank > 0, platform)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -281,7 +281,7 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     _one_of(cfg, "model.param_dtype", ("float32", "bfloat16"))
     _check_source(cfg.model.source)
     _one_of(cfg, "model.layer_loop", ("auto", "scan", "unroll"))
-    _one_of(cfg, "model.remat_policy", ("auto", *REMAT_POLICIES))
+    _one_of(cfg, "model.remat_policy", REMAT_POLICIES)
     _require(cfg.model.lora_rank >= 0, "model.lora_rank", "must be >= 0", cfg.model.lora_rank)
     _require(cfg.model.lora_alpha > 0, "model.lora_alpha", "must be > 0", cfg.model.lora_alpha)
     bad = [t for t in cfg.model.lora_targets if t not in LORA_TARGETS]

@@ -290,9 +290,8 @@ def model_config(source: str, *, lora: Any = None, **overrides: Any) -> ModelCon
     )
 
 
-def from_train_config(cfg: Any, prompt_len: int, model: str | None = None, platform: str = "tpu"):
-    """(ModelConfig, RunShape) of a ``TrainConfig`` run on ``platform`` (which remat policy
-    "auto" picks); ``model`` replaces ``cfg.model.source``."""
+def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
+    """(ModelConfig, RunShape) of a ``TrainConfig``; ``model`` replaces ``cfg.model.source``."""
     from jaxgrpo.models.config import LoRAConfig
 
     m = cfg.model
@@ -305,7 +304,7 @@ def from_train_config(cfg: Any, prompt_len: int, model: str | None = None, platf
         dtype=m.dtype,
         param_dtype=m.param_dtype,
         remat=m.remat,
-        remat_policy=m.remat_policy_on(platform),
+        remat_policy=m.remat_policy,
     )
     rl = cfg.rl
     run = RunShape(
@@ -364,8 +363,11 @@ def report(cfg: ModelConfig, run: RunShape, preset: str | None) -> str:
     return "\n".join(lines)
 
 
-def fit_table(run: RunShape, presets: Sequence[str], lora_rank: int = 16) -> str:
-    """Markdown: GiB per device of each known model (LoRA and full FT) on each preset.
+def fit_table(
+    run: RunShape, presets: Sequence[str], lora_rank: int = 16, remat_policy: str = "full"
+) -> str:
+    """Markdown: GiB per device of each known model (LoRA and full FT) on each preset, in
+    bfloat16 with remat keeping what ``remat_policy`` says.
 
     A cell is ``total GiB`` with a check mark when it fits in 90% of the device memory. A
     preset whose data x fsdp does not divide the run's micro-batch is estimated with its
@@ -379,7 +381,7 @@ def fit_table(run: RunShape, presets: Sequence[str], lora_rank: int = 16) -> str
     for name, fields in ARCHITECTURES.items():
         if name in TABLE_DUPLICATES:
             continue
-        base = dict(dtype="bfloat16", param_dtype="bfloat16", remat=True)
+        base = dict(dtype="bfloat16", param_dtype="bfloat16", remat=True, remat_policy=remat_policy)
         for tuning, lora in (("LoRA", LoRAConfig(rank=lora_rank)), ("full", None)):
             cfg = ModelConfig.from_hf_config(fields, **base, lora=lora)
             cells = []
@@ -428,15 +430,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             name = args.config or "gsm8k_hard"
             cfg = config_lib.load_config(name, overrides)
             _, run = from_train_config(cfg, args.prompt_len, "tiny")
-            print(f"GiB per device (bf16, remat, {name}: {run}); ✓ = fits in 90% of HBM\n")
-            print(fit_table(run, TABLE_PRESETS))
+            policy = cfg.model.remat_policy
+            remat = "remat" if policy == "full" else f"remat keeping {policy}"
+            print(f"GiB per device (bf16, {remat}, {name}: {run}); ✓ = fits in 90% of HBM\n")
+            print(fit_table(run, TABLE_PRESETS, remat_policy=policy))
             return 0
         if not args.config:
             parser.error("--config (or --table) is required")
         cfg = config_lib.load_config(args.config, overrides)
-        chip = get_preset(args.preset).chip if args.preset else "cpu"
-        platform = "cpu" if chip == "cpu" else "tpu"  # GPUs pick what TPUs do
-        model_cfg, run = from_train_config(cfg, args.prompt_len, args.model, platform)
+        model_cfg, run = from_train_config(cfg, args.prompt_len, args.model)
         print(report(model_cfg, run, args.preset))
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

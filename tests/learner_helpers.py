@@ -48,7 +48,7 @@ def make_learner(mesh_shape: dict, devices=None, reward=text_reward, **overrides
     rank = cfg.model.lora_rank
     lora = LoRAConfig(rank=rank, alpha=cfg.model.lora_alpha) if rank else None
     unroll = cfg.model.layer_loop == "unroll"
-    remat = dict(remat=cfg.model.remat, remat_policy=cfg.model.remat_policy_on("cpu"))
+    remat = dict(remat=cfg.model.remat, remat_policy=cfg.model.remat_policy)
     model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh, unroll_layers=unroll, **remat)
     task = get_task("format_copy")
     return Learner(cfg, model, tokenizer, task, RewardSet([(reward, 1.0)]), mesh), task

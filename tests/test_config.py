@@ -160,19 +160,14 @@ def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu_without_remat():
     assert resolve(lora_rank=8, layer_loop="unroll") and not resolve(lora_rank=0, layer_loop="scan")
 
 
-def test_remat_policy_auto_keeps_projections_for_lora_on_cpu_and_the_tiny_model_honours_it():
-    def spec(**overrides):
-        return load_config("tiny", {f"model.{k}": v for k, v in overrides.items()}).model
+def test_the_tiny_source_honours_model_remat_and_its_policy():
+    def build(**overrides):
+        cfg = load_config("tiny", {f"model.{k}": v for k, v in overrides.items()})
+        return build_model(cfg.model, seed=0)[0].cfg
 
-    assert spec(lora_rank=8).remat_policy_on("cpu") == "projections"
-    assert spec(lora_rank=8).remat_policy_on("tpu") == "full"
-    assert spec(lora_rank=0).remat_policy_on("cpu") == "full"
-    assert spec(lora_rank=8, remat_policy="full").remat_policy_on("cpu") == "full"
-    assert spec(lora_rank=0, remat_policy="projections").remat_policy_on("tpu") == "projections"
-    model, _ = build_model(spec(lora_rank=8), seed=0)
-    assert model.cfg.remat and model.cfg.remat_policy == "projections"
-    model, _ = build_model(spec(lora_rank=8, remat=False), seed=0)
-    assert not model.cfg.remat
+    assert build().remat and build().remat_policy == "full"  # the defaults
+    assert build(remat_policy="projections").remat_policy == "projections"
+    assert not build(remat=False).remat
 
 
 def test_train_config_is_frozen_and_typed():

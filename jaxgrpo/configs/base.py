@@ -21,9 +21,10 @@ def _model() -> ConfigDict:
     c.param_dtype = "float32"  # parameter storage dtype: "float32" or "bfloat16"
     c.remat = True  # recompute each block in the backward pass: keeps one input per layer, not
     # its activations (the update's largest buffers), for one more forward pass of FLOPs
-    # what remat keeps besides each block's input: "full" nothing, "projections" the outputs of
-    # its projections (no projection recomputed), "auto" projections with LoRA, else nothing
-    c.remat_policy = "auto"
+    # what remat keeps besides each block's input: "full" nothing; "projections" the outputs of
+    # its projections, so none is recomputed (a faster update for more memory: two to three
+    # times a LoRA run's memory per device at gsm8k_hard's sizes; `jaxgrpo.memory` says what fits)
+    c.remat_policy = "full"
     # "scan", "unroll" or "auto" (unroll for full fine-tuning on CPU without remat)
     c.layer_loop = "auto"
     c.lora_rank = 16  # LoRA rank R; 0 = full fine-tuning of every parameter

@@ -16,15 +16,6 @@ SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("full", "projections")  # ModelConfig.remat_policy
 
 
-def auto_remat_policy(lora: bool, platform: str) -> str:
-    """The remat policy "auto" picks. LoRA on CPU keeps the projections' outputs: its update
-    holds no model-sized gradients or optimizer state, so host memory has room for them, and
-    the backward pass then recomputes no projection. Elsewhere nothing: at a pod run's sizes
-    keeping them triples the update's activations (``python -m jaxgrpo.memory --table``);
-    choose "projections" where ``jaxgrpo.memory`` says it fits."""
-    return "projections" if lora and platform == "cpu" else "full"
-
-
 _HF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
