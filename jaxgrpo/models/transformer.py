@@ -364,7 +364,8 @@ class Transformer(nnx.Module):
         init = tuple(x[0] for x in inputs)
         remat = self.cfg.remat
         if remat and self.cfg.remat_policy == "projections":
-            # Its residuals are the block's input and the named outputs; the loop keeps them.
+            # Its residuals are the block's input and the named outputs (and, in the in-place
+            # gradient scan, what the body closes over, once per layer); the loop keeps them.
             body, remat = jax.checkpoint(body, policy=_KEEP_PROJECTIONS), False
         if layer_grad_acc is None:
             step = jax.checkpoint(body) if remat else body
