@@ -149,13 +149,12 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
     """Warm-up + `w.steps` learner steps: seconds, phase split and sampling tokens/s per step."""
     from jax import monitoring
 
+    from jaxgrpo.config import config_override
     from jaxgrpo.platform import BACKEND_COMPILE_EVENT, keep_freed_memory, use_cpu_xla_flags
     from jaxgrpo.train import build_parts
 
     use_cpu_xla_flags()
     keep_freed_memory()  # as jaxgrpo's CLIs run
-    from jaxgrpo.config import config_override
-
     cfg = jaxgrpo_config(w, lora, dict(config_override(s) for s in w.jaxgrpo_set))
     compiling = [0.0]  # XLA compilation seconds so far: a step whose widths grew compiles again
     monitoring.register_event_duration_secs_listener(

@@ -45,10 +45,18 @@ def decode(cfg: ModelConfig, rows: int, prompt_len: int, new_tokens: int) -> flo
     return _forward(cfg, rows * new_tokens, prompt_len + new_tokens / 2, rows * new_tokens)
 
 
+def _score_parts(prompts: int, prompt_len: int, rows: int, new_tokens: int) -> tuple:
+    """(tokens, keys attended on average, logit positions) of the scoring pass's two parts:
+    each prompt once, then each completion after its prompt."""
+    return (
+        (prompts * prompt_len, prompt_len / 2, 0),
+        (rows * new_tokens, prompt_len + new_tokens / 2, rows * new_tokens),
+    )
+
+
 def score(cfg: ModelConfig, prompts: int, prompt_len: int, rows: int, new_tokens: int) -> float:
     """The prefix-shared scoring pass: each prompt once, each completion after its prompt."""
-    prompt = _forward(cfg, prompts * prompt_len, prompt_len / 2, 0)
-    return prompt + _forward(cfg, rows * new_tokens, prompt_len + new_tokens / 2, rows * new_tokens)
+    return sum(_forward(cfg, *part) for part in _score_parts(prompts, prompt_len, rows, new_tokens))
 
 
 def update(cfg: ModelConfig, prompts: int, prompt_len: int, rows: int, new_tokens: int) -> float:
@@ -60,10 +68,8 @@ def update(cfg: ModelConfig, prompts: int, prompt_len: int, rows: int, new_token
     backward = 1.0 if cfg.lora is not None else 2.0
     recompute = 0.0
     if cfg.remat and cfg.remat_policy == "projections":
-        prompt_attention = _attention(cfg, prompts * prompt_len, prompt_len / 2)
-        recompute = prompt_attention + _attention(
-            cfg, rows * new_tokens, prompt_len + new_tokens / 2
-        )
+        parts = _score_parts(prompts, prompt_len, rows, new_tokens)
+        recompute = sum(_attention(cfg, tokens, keys) for tokens, keys, _ in parts)
     elif cfg.remat:
         recompute = forward
     return forward * (1.0 + backward) + recompute
