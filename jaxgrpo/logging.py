@@ -309,7 +309,7 @@ def run_header(info: Mapping[str, Any]) -> str:
       info: ``model``, ``params``, ``trainable``, ``lora_rank``, ``task``, ``train_size``,
         ``eval_size``, ``prompts_per_step``, ``group_size``, ``steps``, ``devices``,
         ``platform``, ``mesh`` (axis -> size), ``run_dir``, ``start`` (completed steps),
-        ``cache_dir`` (or None).
+        ``cache_dir`` (or None) and optionally ``cache_off_why`` (" (why)" it is off).
     """
     tuning = (
         f"LoRA rank {info['lora_rank']}, {human_count(info['trainable'])} trainable"
@@ -325,7 +325,9 @@ def run_header(info: Mapping[str, Any]) -> str:
         f"examples; {per_step}, {info['steps']} steps",
         f"devices  {info['devices']} x {info['platform']}, mesh {mesh}",
         f"run dir  {os.path.abspath(info['run_dir'])} ({resume})",
-        f"cache    {info['cache_dir'] or 'off'} (compiled programs, reused by later runs)",
+        f"cache    {info['cache_dir']} (compiled programs, reused by later runs)"
+        if info["cache_dir"]
+        else f"cache    off{info.get('cache_off_why', '')}",
     ]
     return "\n".join(lines)
 

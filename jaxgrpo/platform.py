@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
+import re
 import sys
 
 # XLA:CPU hands dots, reductions and elementwise fusions to its YNNPACK library by default;
@@ -43,9 +44,31 @@ def backend(platform: str = "") -> str:
     return jax.default_backend()
 
 
+def forced_host_devices() -> int:
+    """The CPU devices ``XLA_FLAGS``' ``--xla_force_host_platform_device_count`` asks for (1
+    when it is absent): several virtual devices on one CPU, as the tests and sharding demos use."""
+    found = re.findall(
+        r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
+    )
+    return int(found[-1]) if found else 1
+
+
+def cache_off_why() -> str:
+    """Why `compilation_cache_dir` turned the cache off by itself (" (...)"), or ""."""
+    devices = forced_host_devices()
+    if devices == 1:
+        return ""
+    return f" ({devices} forced host devices: their collectives deadlock on cached programs)"
+
+
 def compilation_cache_dir() -> str | None:
     """Where compiled programs are cached: ``$JAXGRPO_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/jaxgrpo/xla`` (``~/.cache/jaxgrpo/xla``); None when set to ``off``."""
+    ``$XDG_CACHE_HOME/jaxgrpo/xla`` (``~/.cache/jaxgrpo/xla``); None when set to ``off``, and
+    None with several forced host devices: there XLA:CPU's in-process collectives deadlocked
+    on sharded programs read back from the cache (a rendezvous timeout aborts the process),
+    where the same programs compiled afresh ran."""
+    if forced_host_devices() > 1:
+        return None
     value = os.environ.get(CACHE_ENV)
     if value is not None:
         return None if value.strip().lower() in ("", "off", "0", "none") else value
@@ -61,7 +84,8 @@ def enable_compilation_cache() -> str | None:
     training within seconds. Every program is cached, however fast it compiled.
 
     Returns:
-      The cache directory, or None when the cache is off (``JAXGRPO_CACHE_DIR=off``).
+      The cache directory, or None when the cache is off (``JAXGRPO_CACHE_DIR=off``, or
+      several forced host devices).
     """
     import jax
 

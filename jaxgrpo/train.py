@@ -51,7 +51,7 @@ from jaxgrpo.logging import (
     run_summary,
     warn_once,
 )
-from jaxgrpo.platform import prepare_cli
+from jaxgrpo.platform import cache_off_why, prepare_cli
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.runtime import DataStream, RunFiles, StopRequest, fault_point
 
@@ -177,6 +177,7 @@ def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
         "run_dir": cfg.run_dir,
         "start": start,
         "cache_dir": jax.config.jax_compilation_cache_dir,
+        "cache_off_why": cache_off_why(),
     }
 
 

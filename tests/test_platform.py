@@ -43,3 +43,17 @@ def test_compiling_a_program_returns_the_kept_heap():
     offset = float(np.random.default_rng().integers(1 << 30))  # a program no cache holds
     jax.jit(lambda x: x * 3.0 + offset)(jnp.ones(7)).block_until_ready()
     assert kept - _rss_bytes() > size * 3 // 4, "the freed block should go back after compiling"
+
+
+def test_forced_host_devices_turn_the_compilation_cache_off(monkeypatch, tmp_path):
+    """Several forced host devices: no persistent cache, whatever JAXGRPO_CACHE_DIR says (their
+    in-process collectives deadlocked on programs read back from it); one device: the cache."""
+    monkeypatch.setenv(platform.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4")
+    assert platform.forced_host_devices() == 4
+    assert platform.compilation_cache_dir() is None
+    assert "4 forced host devices" in platform.cache_off_why()
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+    assert platform.compilation_cache_dir() == str(tmp_path) and platform.cache_off_why() == ""
+    monkeypatch.delenv("XLA_FLAGS")
+    assert platform.forced_host_devices() == 1 and platform.compilation_cache_dir() == str(tmp_path)

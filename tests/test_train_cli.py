@@ -96,6 +96,12 @@ def _cfg(run_dir, **overrides):
     return load_config("tiny", {**base, **overrides})
 
 
+def _one_host_device() -> str:
+    """XLA_FLAGS without the tests' forced host device count: one CPU device."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    return " ".join(f for f in flags if "xla_force_host_platform_device_count" not in f)
+
+
 def _rows(run_dir):
     with open(os.path.join(run_dir, "metrics.jsonl"), encoding="utf-8") as f:
         rows = [json.loads(line) for line in f]
@@ -190,12 +196,14 @@ def test_run_files_for_remote_run_dirs(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_cli_reports_the_run_and_a_rerun_compiles_nothing(tmp_path):
     """The header, held-out lines and summary a user sees; the second identical run reads every
-    program from the persistent compilation cache instead of compiling it."""
+    program from the persistent compilation cache instead of compiling it (on one CPU device:
+    with several forced host devices the cache is off)."""
     env = {
         **os.environ,
         "JAX_PLATFORMS": "cpu",
         "JAX_LOG_COMPILES": "1",
         "JAXGRPO_CACHE_DIR": str(tmp_path / "cache"),
+        "XLA_FLAGS": _one_host_device(),
     }
     runs = []
     for name in ("first", "second"):
@@ -209,7 +217,8 @@ def test_cli_reports_the_run_and_a_rerun_compiles_nothing(tmp_path):
         "model    tiny (random 2-layer test model): ",
         "LoRA rank 4",
         "task     format_copy: ",
-        f"devices  {jax.device_count()} x cpu, mesh data={jax.device_count()} fsdp=1 tensor=1",
+        "devices  1 x cpu, mesh data=1 fsdp=1 tensor=1",
+        f"cache    {tmp_path / 'cache'} (compiled programs, reused by later runs)",
         f"run dir  {tmp_path / 'first'} (new run)",
         "held-out before training: strict 0/4",
         "held-out at step 1: strict",
@@ -248,6 +257,8 @@ def test_a_run_killed_between_its_rows_and_its_checkpoint_logs_every_step_once(t
 
     full = train(tmp_path / "full")
     assert full.returncode == 0, full.stderr[-2000:]
+    n = jax.device_count()  # forced host devices: the cache stays off and the header says why
+    assert f"cache    off ({n} forced host devices: their collectives deadlock" in full.stdout
     killed = train(tmp_path / "killed", JAXGRPO_FAULT="logged:2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert [r["step"] for r in _rows(tmp_path / "killed")] == [0, 1, 2], "killed in the window"
