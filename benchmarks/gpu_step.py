@@ -103,8 +103,9 @@ def main() -> None:
     if args.preset.startswith("cpu-"):
         import os
 
-        flag = f"--xla_force_host_platform_device_count={int(args.preset[4:])}"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}"
+        from jaxgrpo.platform import force_host_devices
+
+        force_host_devices(int(args.preset[4:]))
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     est = estimate(args)
     got = measure(args)

@@ -30,6 +30,7 @@ from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.platform import FORCE_HOST_DEVICES_FLAG
 from jaxgrpo.rl import packing as packing_lib
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl.learner import Learner
@@ -48,7 +49,7 @@ def topology_devices(preset: presets.Preset) -> list:
         if len(devices) < preset.devices:
             raise ValueError(
                 f"{preset.name} needs {preset.devices} devices, have {len(devices)}: set "
-                f"XLA_FLAGS=--xla_force_host_platform_device_count={preset.devices} first"
+                f"XLA_FLAGS={FORCE_HOST_DEVICES_FLAG}={preset.devices} first"
             )
         return devices[: preset.devices]
     from jax.experimental import topologies  # needs libtpu: only for TPU targets

@@ -21,7 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from jaxgrpo.platform import quiet_libraries  # imports no jax: XLA_FLAGS are set in main first
+# jaxgrpo.platform imports no jax: XLA_FLAGS are set in main first.
+from jaxgrpo.platform import force_host_devices, quiet_libraries
 
 GIB = 1024**3
 TABLE_MODELS = (
@@ -34,8 +35,7 @@ TABLE_ONLY = ("sample", "score", "update")  # the training step (evaluation is n
 def _set_devices(topology: str) -> None:
     """Before jax is imported: N virtual CPU devices for ``cpu-N``; libtpu may be shared."""
     if topology.startswith("cpu-"):
-        flag = f"--xla_force_host_platform_device_count={int(topology[4:])}"
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
+        force_host_devices(int(topology[4:]))
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # Another process on this machine may hold libtpu's lockfile; compiling needs no chip.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -44,12 +44,20 @@ def backend(platform: str = "") -> str:
     return jax.default_backend()
 
 
+# The XLA flag that splits the host CPU into N virtual devices (tests, sharding demos, compile
+# checks of CPU meshes).
+FORCE_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def force_host_devices(n: int) -> None:
+    """Asks XLA:CPU for ``n`` virtual devices; call it before JAX creates its backends."""
+    current = os.environ.get("XLA_FLAGS", "")
+    os.environ["XLA_FLAGS"] = f"{current} {FORCE_HOST_DEVICES_FLAG}={int(n)}".strip()
+
+
 def forced_host_devices() -> int:
-    """The CPU devices ``XLA_FLAGS``' ``--xla_force_host_platform_device_count`` asks for (1
-    when it is absent): several virtual devices on one CPU, as the tests and sharding demos use."""
-    found = re.findall(
-        r"--xla_force_host_platform_device_count=(\d+)", os.environ.get("XLA_FLAGS", "")
-    )
+    """The CPU devices ``XLA_FLAGS`` forces (`FORCE_HOST_DEVICES_FLAG`; 1 when absent)."""
+    found = re.findall(rf"{FORCE_HOST_DEVICES_FLAG}=(\d+)", os.environ.get("XLA_FLAGS", ""))
     return int(found[-1]) if found else 1
 
 

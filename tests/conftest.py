@@ -2,12 +2,14 @@
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags  # noqa: E402  (imports no jax)
+from jaxgrpo.platform import (  # imports no jax
+    force_host_devices,
+    keep_freed_memory,
+    use_cpu_xla_flags,
+)
 
+force_host_devices(8)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 use_cpu_xla_flags()  # the flags the CLIs run with
 keep_freed_memory()  # and their malloc settings
 

@@ -19,6 +19,7 @@ from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import tiny_model_config, tiny_tokenizer
 from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.platform import FORCE_HOST_DEVICES_FLAG
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.runtime import RunFiles
 
@@ -99,7 +100,7 @@ def _cfg(run_dir, **overrides):
 def _one_host_device() -> str:
     """XLA_FLAGS without the tests' forced host device count: one CPU device."""
     flags = os.environ.get("XLA_FLAGS", "").split()
-    return " ".join(f for f in flags if "xla_force_host_platform_device_count" not in f)
+    return " ".join(f for f in flags if not f.startswith(FORCE_HOST_DEVICES_FLAG))
 
 
 def _rows(run_dir):
