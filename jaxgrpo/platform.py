@@ -75,7 +75,7 @@ def compilation_cache_dir() -> str | None:
     None with several forced host devices: there XLA:CPU's in-process collectives deadlocked
     on sharded programs read back from the cache (a rendezvous timeout aborts the process),
     where the same programs compiled afresh ran."""
-    if forced_host_devices() > 1:
+    if cache_off_why():
         return None
     value = os.environ.get(CACHE_ENV)
     if value is not None:

@@ -165,7 +165,8 @@ def test_the_tiny_source_honours_model_remat_and_its_policy():
         cfg = load_config("tiny", {f"model.{k}": v for k, v in overrides.items()})
         return build_model(cfg.model, seed=0)[0].cfg
 
-    assert build().remat and build().remat_policy == "full"  # the defaults
+    default = build()
+    assert default.remat and default.remat_policy == "full"
     assert build(remat_policy="projections").remat_policy == "projections"
     assert not build(remat=False).remat
 
