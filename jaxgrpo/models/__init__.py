@@ -12,8 +12,8 @@ those of the real model only up to the tokenizer's compression.
 
 ``load_model`` reads the architecture from ``config.json`` (or GGUF metadata), builds a
 ``Transformer`` (sharded at creation when a mesh is given, see ``jaxgrpo.sharding``), then fills
-it tensor family by tensor family from memory-mapped files (``weights.load_hf_tensors``), so the
-checkpoint is never read whole into host memory.
+it tensor family by tensor family (``weights.load_hf_tensors``), so a load holds the placed
+weights and one family being assembled, never a second copy of the checkpoint.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from jaxgrpo.models.init import empty_model, random_model
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.models.weights import load_hf_tensors
+from jaxgrpo.models.weights import load_hf_tensors, read_bytes
 
 __all__ = [
     "LoRAConfig",
@@ -70,22 +70,21 @@ def _st_dtypes() -> dict:
 
 
 class SafetensorsFiles:
-    """Memory-mapped tensors of one or several ``.safetensors`` files, by name.
+    """Tensors of one or several ``.safetensors`` files, by name, each read when asked for.
 
     The format is an 8-byte little-endian header size, a JSON header of
     ``{name: {dtype, shape, data_offsets}}``, then raw row-major bytes; reading it directly lets
-    bfloat16 tensors map to ``ml_dtypes.bfloat16`` without going through torch or jax.
+    bfloat16 tensors map to ``ml_dtypes.bfloat16`` without going through torch or jax. Each
+    tensor is read into its own array (``weights.read_bytes``), not through a memory map.
     """
 
     def __init__(self, paths: list[str]):
         dtypes = _st_dtypes()
-        self._maps: dict[str, np.memmap] = {}
         self._index: dict[str, tuple] = {}
         for path in paths:
             with open(path, "rb") as f:
                 (size,) = struct.unpack("<Q", f.read(8))
                 header = json.loads(f.read(size))
-            self._maps[path] = np.memmap(path, dtype=np.uint8, mode="r")
             for name, info in header.items():
                 if name != "__metadata__":
                     begin, end = info["data_offsets"]
@@ -97,9 +96,9 @@ class SafetensorsFiles:
         return list(self._index)
 
     def get_tensor(self, name: str) -> np.ndarray:
-        """The tensor as a read-only memory-mapped array (KeyError when absent)."""
+        """The tensor, read from its file (KeyError when absent)."""
         path, dtype, shape, begin, end = self._index[name]
-        return self._maps[path][begin:end].view(dtype).reshape(shape)
+        return read_bytes(path, begin, end - begin).view(dtype).reshape(shape)
 
 
 def _safetensors_paths(directory: str) -> list[str]:
@@ -284,7 +283,7 @@ def load_model(
     model = empty_model(cfg, seed, mesh, rules)
     load_hf_tensors(model, get_tensor)
     if mesh is None:
-        # Variables holding host arrays were filled in place; move them to the device.
+        # The adapters are host arrays (the base weights were placed as they were read).
         state = nnx.state(model)
         nnx.update(model, jax.tree.map(jax.numpy.asarray, state))
     logging.getLogger(__name__).info(

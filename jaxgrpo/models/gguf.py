@@ -11,8 +11,8 @@ package has one import path (``weights.load_hf_tensors``) and one tokenizer type
     load_hf_tensors(model, ckpt.get_tensor)   # HF names, torch [out, in] layout, float32
     tok = Tokenizer.from_gguf(ckpt)           # in jaxgrpo.models.tokenizer
 
-The tensors stay memory-mapped: ``get_tensor`` dequantizes one tensor when asked, so a large model
-is never materialised twice on the host.
+``get_tensor`` reads and dequantizes one tensor when asked (``weights.read_bytes``, not a memory
+map), so a large model is never materialised twice on the host.
 
 Two llama.cpp conventions are undone here. (1) For the Llama architecture, ``convert_hf_to_gguf``
 permutes the rows of q and k from Hugging Face's rotate-half RoPE layout into GPT-J's interleaved
@@ -32,6 +32,8 @@ import struct
 from collections.abc import Callable
 
 import numpy as np
+
+from jaxgrpo.models.weights import read_bytes
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 
@@ -265,7 +267,6 @@ class GGUFCheckpoint:
         if not os.path.isfile(self.path):
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         self._meta, self._tensors, self._data_start = read_gguf_header(self.path)
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
         self.architecture = self.meta("general.architecture")
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ValueError(
@@ -292,7 +293,7 @@ class GGUFCheckpoint:
         return list(self._hf_to_gguf)
 
     def _raw(self, gguf_name: str) -> np.ndarray:
-        """One tensor as float32 with numpy dims (outermost first); memory-mapped until used."""
+        """One tensor as float32 with numpy dims (outermost first), read from the file."""
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # optional, as above
 
         dims, qtype, offset = self._tensors[gguf_name]
@@ -301,7 +302,7 @@ class GGUFCheckpoint:
         shape = tuple(reversed(dims))
         row_bytes = shape[-1] // block * block_bytes
         begin = self._data_start + offset
-        raw = self._map[begin : begin + row_bytes * math.prod(shape[:-1])]
+        raw = read_bytes(self.path, begin, row_bytes * math.prod(shape[:-1]))
         raw = raw.reshape(*shape[:-1], row_bytes)
         if qtype == GGMLQuantizationType.F32:
             return raw.view(np.float32)

@@ -1,5 +1,5 @@
 """The one place that builds a `Transformer`: abstractly, with random weights, or empty
-(zeros for a checkpoint to overwrite), on the host or already sharded over a mesh.
+(placeholders for a checkpoint to fill), on the host or already sharded over a mesh.
 
 Nothing here compiles: shapes come from ``nnx.eval_shape`` and values are drawn (or zeroed)
 by numpy one tensor at a time, then placed shard by shard with
@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -20,6 +19,7 @@ from jaxgrpo import sharding
 from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.lora import LoRA
 from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.models.weights import adoptable_empty
 
 
 def abstract_model(cfg: ModelConfig, seed: int = 0) -> Transformer:
@@ -64,15 +64,15 @@ def random_state(abstract_state, seed: int = 0, std: float = 0.05, shardings=Non
     def draw(path, var, sharding=None):
         value = var.get_value()
         name = str(getattr(path[-1], "key", path[-1]))
+        x = adoptable_empty(value.shape, value.dtype)  # placed without a copy on CPU
         if name == "lora_b":
-            x = np.zeros(value.shape)
+            x[...] = 0
         elif name == "scale":
-            x = 1.0 + 0.1 * rng.standard_normal(value.shape)
+            x[...] = 1.0 + 0.1 * rng.standard_normal(value.shape)
         else:
-            x = std * rng.standard_normal(value.shape)
-        x = np.asarray(x, value.dtype)
+            x[...] = std * rng.standard_normal(value.shape)
         if sharding is None:
-            return var.replace(jnp.asarray(x))
+            return var.replace(jax.device_put(x))
         return var.replace(jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]))
 
     if shardings is None:
@@ -82,16 +82,15 @@ def random_state(abstract_state, seed: int = 0, std: float = 0.05, shardings=Non
 
 
 def empty_model(cfg: ModelConfig, seed: int = 0, mesh=None, rules=None) -> Transformer:
-    """A Transformer whose base weights are zeros, to be overwritten by the checkpoint.
+    """A Transformer whose base weights are placeholders for the checkpoint to fill.
 
-    Initialising 135M random weights only to discard them took longer than reading the GGUF,
-    and every jitted or eager ``jax.random`` draw costs an XLA compilation (seconds each on a
-    busy 2-core machine). So the model is shaped abstractly (``nnx.eval_shape``). Without a mesh
-    base weights become host ``np.zeros`` (pages the OS allocates lazily), which
-    ``load_hf_tensors`` overwrites in place and ``load_model`` then moves to the device. With a
-    mesh they are zero arrays in their final sharding, built shard by shard, so each host only
-    ever holds its own shards. LoRA adapters get ``LoRA.__init__``'s distribution from numpy:
-    A ~ N(0, 1 / fan_in), B = 0.
+    Base weights are ``jax.ShapeDtypeStruct`` leaves (with their ``NamedSharding`` under a
+    mesh), so nothing is allocated until ``load_hf_tensors`` places each tensor family where it
+    belongs: a load holds one copy of the weights, not a second one of zeros (zero arrays placed
+    on a CPU device are written out in full). Initialising random weights only to discard them
+    would also cost a compilation per ``jax.random`` draw. LoRA adapters are real values, drawn
+    by numpy with ``LoRA.__init__``'s distribution (A ~ N(0, 1 / fan_in), B = 0) and placed in
+    their sharding under a mesh (host arrays otherwise).
     """
     model = abstract_model(cfg, seed)
     rng = np.random.default_rng(seed)
@@ -102,19 +101,16 @@ def empty_model(cfg: ModelConfig, seed: int = 0, mesh=None, rules=None) -> Trans
             a_init = rng.standard_normal(a.shape, np.float32) / np.float32(math.sqrt(fan_in))
             a.set_value(a_init.astype(a.dtype))
             b.set_value(np.zeros(b.shape, b.dtype))
-    graphdef, state = nnx.split(model)
-    abstract = jax.ShapeDtypeStruct
     if mesh is None:
-        zeros = lambda x: np.zeros(x.shape, x.dtype) if isinstance(x, abstract) else x
-        return nnx.merge(graphdef, jax.tree.map(zeros, state))
+        return model
     rules = rules or sharding.TRAIN_RULES
+    graphdef, state = nnx.split(model)
     shardings = sharding.param_shardings(state, mesh, rules)
 
     def place(x, where):
-        if not isinstance(x, abstract):
-            return jax.device_put(x, where)
-        shard = lambda index: np.zeros(where.shard_shape(x.shape), x.dtype)
-        return jax.make_array_from_callback(x.shape, where, shard)
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=where)
+        return jax.device_put(x, where)
 
     model = nnx.merge(graphdef, jax.tree.map(place, state, shardings))
     model.shard_ctx = sharding.ShardingCtx(mesh, rules)

@@ -15,7 +15,6 @@ import dataclasses
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -120,6 +119,38 @@ def _fetch(get_tensor: Callable[[str], np.ndarray], name: str, expected: tuple[i
     return w
 
 
+# XLA:CPU adopts a host buffer as a device array without copying it when the buffer is aligned
+# to this many bytes; numpy's own allocations are 16-byte aligned.
+_XLA_CPU_ALIGN = 64
+
+
+def adoptable_empty(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An uninitialised host array that `jax.device_put` to a CPU device takes over without a
+    copy (64-byte aligned), so filling weights on the host and placing them holds one copy."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.empty(nbytes + _XLA_CPU_ALIGN, np.uint8)
+    start = -raw.ctypes.data % _XLA_CPU_ALIGN
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def read_bytes(path: str, begin: int, count: int) -> np.ndarray:
+    """`count` bytes of a checkpoint file from offset `begin`, as a fresh uint8 array.
+
+    Checkpoint readers use this instead of a memory map: the pages of a mapped file stay in
+    the process's resident memory until it is unmapped, so a load held the whole file next to
+    the weights it placed.
+
+    Raises:
+        ValueError: the file ends before `begin + count` (naming the file).
+    """
+    with open(path, "rb") as f:
+        data = np.fromfile(f, dtype=np.uint8, count=count, offset=begin)
+    if data.size != count:
+        raise ValueError(f"{path} is truncated: {count} bytes expected at offset {begin}.")
+    return data
+
+
 def load_hf_tensors(model, get_tensor: Callable[[str], np.ndarray]) -> None:
     """Fills `model`'s base weights in place from HF-named torch-layout tensors.
 
@@ -145,7 +176,7 @@ def load_hf_tensors(model, get_tensor: Callable[[str], np.ndarray]) -> None:
     for path, entries in families.items():
         var = _param(model, path)
         current = var.get_value()
-        value = np.empty(current.shape, current.dtype)
+        value = adoptable_empty(current.shape, current.dtype)
         for e in entries:
             layers = range(cfg.num_layers) if e.per_layer else [None]
             for i in layers:
@@ -154,10 +185,8 @@ def load_hf_tensors(model, get_tensor: Callable[[str], np.ndarray]) -> None:
                     out = out[..., e.slot, :]
                 name = e.hf if i is None else e.hf.format(i=i)
                 out[...] = _to_ours(e, _fetch(get_tensor, name, e.hf_shape), out.shape)
-        sharding = getattr(current, "sharding", None)
-        var.set_value(
-            jax.device_put(value, sharding) if sharding is not None else jnp.asarray(value)
-        )
+        # device_put (jnp.asarray copies) hands XLA:CPU the aligned host buffer itself.
+        var.set_value(jax.device_put(value, getattr(current, "sharding", None)))
         del value
 
 

@@ -9,6 +9,8 @@ import functools
 import json
 import os
 import shutil
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -20,8 +22,11 @@ transformers = pytest.importorskip("transformers")
 
 from tiny_hf import ARCHS as TINY_HF_ARCHS  # noqa: E402
 
-from jaxgrpo.models import SafetensorsFiles, load_model  # noqa: E402
+from jaxgrpo.models import SafetensorsFiles, load_model, random_model  # noqa: E402
+from jaxgrpo.models.config import ModelConfig  # noqa: E402
 from jaxgrpo.models.export import export_hf, export_peft, save_safetensors  # noqa: E402
+from jaxgrpo.models.tiny import tiny_tokenizer  # noqa: E402
+from jaxgrpo.presets import ARCHITECTURES  # noqa: E402
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -130,6 +135,51 @@ def test_mesh_load_is_sharded_and_equal(dirs):
     assert not q.sharding.is_fully_replicated and len(q.sharding.device_set) == 8
     for a, b in zip(*(jax.tree.leaves(nnx.state(m)) for m in (sharded, plain)), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+_PEAK_SCRIPT = """
+import sys
+import jax
+from flax import nnx
+from jaxgrpo.models import load_model
+from jaxgrpo.models.tokenizer import Tokenizer
+from jaxgrpo.sharding import make_mesh
+
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
+
+mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1}) if sys.argv[2] == "mesh" else None
+jax.devices()  # the runtime and the tokenizer (transformers' imports) are not the load's
+tokenizer = Tokenizer.from_pretrained(sys.argv[1])
+before = status("VmRSS")
+model, _ = load_model(sys.argv[1], mesh=mesh, tokenizer=tokenizer)
+jax.block_until_ready(nnx.state(model))
+print(before, status("VmHWM"))
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads Linux's VmHWM")
+@pytest.mark.parametrize("placement", ["mesh", "host"])
+def test_load_holds_one_copy_of_the_weights(tmp_path, placement):
+    """A load's peak resident memory grows by the weights' bytes and one tensor being read, at
+    most 1.25x the checkpoint: no zero arrays placed first (a CPU device writes them out), no
+    memory-mapped file pages held, and no copy when a filled host array is placed."""
+    # SmolLM2-135M's layers, 16 of them, and a small vocabulary: 230 MB, no tensor above 8%.
+    shape = dict(ARCHITECTURES["SmolLM2-135M"], num_hidden_layers=16, vocab_size=8192)
+    export_hf(random_model(ModelConfig.from_hf_config(shape)), tiny_tokenizer(), tmp_path)
+    size = os.path.getsize(tmp_path / "model.safetensors")
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK_SCRIPT, str(tmp_path), placement],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+        check=True,
+    )
+    before, peak = map(int, out.stdout.split())
+    grown = (peak - before) / size
+    print(f"{placement}: the peak grew by {grown:.2f}x the checkpoint's {size} bytes")
+    assert grown <= 1.25, f"loading {size / 2**20:.0f} MB grew the peak by {grown:.2f}x of it"
 
 
 def _random_lora_b(model, seed=1):
