@@ -3,8 +3,8 @@
 A decode step multiplies a few rows ([B, 1, D]) by every weight of the model, so the layout
 is chosen for those matmuls: each layer's weights are separate arrays (or one stacked set for
 the scanned loop), prepared once per `generate` call with the adapters folded in, and every
-kernel is a plain 2-D [out, in] matrix, the operand XLA:CPU's dot reads fastest (the profile
-behind this is in benchmarks/README.md, "What the decode step spends its time on").
+kernel is a plain 2-D [in, out] matrix, which XLA:CPU's dot (YNNPACK's, `platform.CPU_XLA_FLAGS`)
+reads faster than [out, in] (benchmarks/README.md, `generate.py` "Session 25").
 
 `DecodeLayer` is built from a `Block` (`decode_layer_from_block`) and run by `decode_layer`
 through the same `layers.decoder_layer` body as `Block.__call__`; only the weight layout and
@@ -30,22 +30,22 @@ from jaxgrpo.types import Array
 
 @flax.struct.dataclass
 class DecodeLayer:
-    """One layer's weights as 2-D [out, in] matrices in the compute dtype.
+    """One layer's weights as 2-D [in, out] matrices in the compute dtype.
 
     Attributes:
         attn_norm / mlp_norm: RMSNorm scales [D].
-        qkv: [K * (M + 2) * H, D] (M = N / K): for each kv head, the rows of its M query
+        qkv: [D, K * (M + 2) * H] (M = N / K): for each kv head, the columns of its M query
             heads, then its key's, then its value's. One matmul instead of three (the key and
             value ones alone are narrow and run slowly on XLA:CPU); grouped by kv head so that
-            splitting the rows over ``tensor`` gives each device whole heads (no exchange
+            splitting the columns over ``tensor`` gives each device whole heads (no exchange
             between the projection and attention).
-        o: [D, N*H].
+        o: [N*H, D].
         qkv_bias: [K * (M + 2) * H] in the same order, or None when q, k and v have no bias;
             o_bias: [D] or None.
         q_norm / k_norm: Qwen3 per-head RMSNorm scales [H], or None.
-        gate_up: [F * 2, D], row 2f the gate's f-th output and row 2f + 1 the up
-            projection's, so a split over ``tensor`` keeps each gate with its up row.
-        down: [D, F].
+        gate_up: [D, F * 2], column 2f the gate's f-th output and column 2f + 1 the up
+            projection's, so a split over ``tensor`` keeps each gate with its up column.
+        down: [F, D].
         eps: RMSNorm epsilon (static).
     """
 
@@ -63,15 +63,15 @@ class DecodeLayer:
 
 
 def _matrix(kernel: Array, n_in: int, dtype) -> Array:
-    """A kernel [*in, *out] as the matrix [prod(out), prod(in)] (one 2-D transpose)."""
-    return kernel.reshape(math.prod(kernel.shape[:n_in]), -1).T.astype(dtype)
+    """A kernel [*in, *out] as the matrix [prod(in), prod(out)]."""
+    return kernel.reshape(math.prod(kernel.shape[:n_in]), -1).astype(dtype)
 
 
 def _by_kv_head(q: Array, k: Array, v: Array, kv_heads: int) -> Array:
-    """Rows [N*H, ...], [K*H, ...], [K*H, ...] -> [K * (M+2) * H, ...], grouped by kv head."""
-    group = lambda x: x.reshape(kv_heads, -1, *x.shape[1:])  # noqa: E731
-    both = jnp.concatenate([group(q), group(k), group(v)], axis=1)
-    return both.reshape(-1, *q.shape[1:])
+    """Columns [..., N*H], [..., K*H], [..., K*H] -> [..., K * (M+2) * H], grouped by kv head."""
+    group = lambda x: x.reshape(*x.shape[:-1], kv_heads, -1)  # noqa: E731
+    both = jnp.concatenate([group(q), group(k), group(v)], axis=-1)
+    return both.reshape(*q.shape[:-1], -1)
 
 
 def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
@@ -95,8 +95,8 @@ def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
         qkv=_by_kv_head(*[_matrix(e.kernel[...], 1, dtype) for e in qkv], kv_heads),
         o=_matrix(attn.o.kernel[...], 2, dtype),
         mlp_norm=block.mlp_norm.scale[...],
-        # [D, 2, F] -> [F, 2, D] -> [2F, D]: rows (f, gate/up)
-        gate_up=mlp.gate_up.kernel[...].transpose(2, 1, 0).reshape(2 * f, d).astype(dtype),
+        # [D, 2, F] -> [D, F, 2] -> [D, 2F]: columns (f, gate/up)
+        gate_up=mlp.gate_up.kernel[...].transpose(0, 2, 1).reshape(d, 2 * f).astype(dtype),
         down=_matrix(mlp.down.kernel[...], 1, dtype),
         qkv_bias=qkv_bias,
         o_bias=None if attn.o.bias is None else attn.o.bias[...].reshape(-1).astype(dtype),
@@ -108,8 +108,8 @@ def decode_layer_from_block(block, eps: float, dtype) -> DecodeLayer:
 
 def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None, kv_heads: int) -> DecodeLayer:
     """Under the sampling rules, pins the matrices tensor-parallel: q/k/v and gate/up split
-    their output rows over the heads' mesh axes (``tensor``; fsdp x tensor under
-    ``SAMPLE_TP_RULES``; whole kv-head groups, whole F rows), o and down their input, so a
+    their output columns over the heads' mesh axes (``tensor``; fsdp x tensor under
+    ``SAMPLE_TP_RULES``; whole kv-head groups, whole F pairs), o and down their input rows, so a
     layer needs two all-reduces of a few activation rows (after o and after down) and nothing
     else; vectors replicate (XLA slices them). Other rules leave XLA to choose.
     """
@@ -119,12 +119,12 @@ def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None, kv_heads: int) -
     def axis(rule: str, size: int):  # the rule's mesh axes, or None where they do not divide
         return sharding.logical_to_spec((rule,), ctx.rules, (size,), ctx.mesh)[0]
 
-    heads, mlp = axis("heads", kv_heads), axis("mlp", w.down.shape[1])
+    heads, mlp = axis("heads", kv_heads), axis("mlp", w.down.shape[-2])
     specs = dict(
-        qkv=PartitionSpec(heads, None),
-        o=PartitionSpec(None, heads),
-        gate_up=PartitionSpec(mlp, None),
-        down=PartitionSpec(None, mlp),
+        qkv=PartitionSpec(None, heads),
+        o=PartitionSpec(heads, None),
+        gate_up=PartitionSpec(None, mlp),
+        down=PartitionSpec(mlp, None),
     )
 
     def pin(name, x):
@@ -141,9 +141,9 @@ def shard_decode_layer(w: DecodeLayer, ctx: ShardingCtx | None, kv_heads: int) -
     return DecodeLayer(**fields, eps=w.eps)
 
 
-def _project(x_BTI: Array, w_OI: Array, b_O: Array | None) -> Array:
-    """`x @ w.T (+ b)`: [B, T, I] -> [B, T, O]."""
-    y_BTO = jnp.einsum("BTI,OI->BTO", x_BTI, w_OI)
+def _project(x_BTI: Array, w_IO: Array, b_O: Array | None) -> Array:
+    """`x @ w (+ b)`: [B, T, I] -> [B, T, O]."""
+    y_BTO = jnp.einsum("BTI,IO->BTO", x_BTI, w_IO)
     return y_BTO if b_O is None else y_BTO + b_O.reshape(1, 1, -1)
 
 
@@ -219,7 +219,7 @@ class _DecodeOps:
         w, h = self.w, self.h
         b, t, _ = h_BTD.shape
         qkv_BTX = _project(h_BTD, w.qkv, w.qkv_bias)
-        n = w.o.shape[1] // h
+        n = w.o.shape[0] // h
         k = (qkv_BTX.shape[-1] // h - n) // 2
         grouped = qkv_BTX.reshape(b, t, k, n // k + 2, h)  # [B, T, K, M + 2, H]
         q_BTNH = grouped[..., : n // k, :].reshape(b, t, n, h)

@@ -462,7 +462,7 @@ class Transformer(nnx.Module):
         return backend(self.cfg.platform) != "cpu"
 
     def decode_layers(self) -> list[DecodeLayer] | DecodeLayer:
-        """The L layers in the decode layout: adapters folded in, matrices [out, in].
+        """The L layers in the decode layout: adapters folded in, matrices [in, out].
 
         L separate `DecodeLayer`s for the unrolled decode loop, or one whose arrays are
         stacked [L, ...] when `scans_decode`. Called once per `generate` call, outside the
