@@ -24,8 +24,10 @@ run it (jaxgrpo with its CLIs' allocator settings, TRL with the default one): a 
 step, its split (sampling / reference pass / update; rewards are under 1%), completion tokens
 per second of sampling, and the child's peak resident memory (`ru_maxrss`: imports, model load,
 compilation and steps). A measured jaxgrpo step whose batch widths grew past the warm-up's
-compiles its programs again; the table names those seconds of XLA compilation. `--json FILE`
-writes the rows; `--table FILE ...` prints the Markdown table of several such files
+compiles its programs again; the table names those seconds of XLA compilation, and each
+framework's rate over its step's model arithmetic (`model_tflop`, over its own completions),
+to compare with the machine's matmul rate (`matmul_rate.py`, `generate.py`'s first line).
+`--json FILE` writes the rows; `--table FILE ...` prints the Markdown table of several such files
 (benchmarks/README.md).
 
     python benchmarks/grpo_step.py [--steps 5] [--variants lora,full] [--frameworks jaxgrpo,trl]
@@ -38,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import multiprocessing
 import os
@@ -342,9 +345,40 @@ def run_in_child(framework: str, w: Workload, lora: bool) -> dict:
 HEADER = (
     "| model | task | new tokens | variant | jaxgrpo s/step | TRL s/step | speed-up "
     "| jaxgrpo split (sample / ref / update) | TRL split | jaxgrpo tok/s | TRL tok/s "
-    "| jaxgrpo peak GiB | TRL peak GiB | memory ratio |"
+    "| jaxgrpo peak GiB | TRL peak GiB | memory ratio | jaxgrpo model TFLOP/step "
+    "| GFLOP/s jaxgrpo / TRL |"
 )
 SEPARATOR = "|---" * (HEADER.count(" | ") + 1) + "|"
+
+
+@functools.lru_cache
+def _mean_prompt_len(task: str, prompts: int) -> float:
+    """Mean tokens of the workload's chat prompts (SmolLM2's tokenizer, as both models use)."""
+    from jaxgrpo.build import smollm2_path
+    from jaxgrpo.models import load_model
+
+    tokenizer = load_model(smollm2_path(), dtype="float32")[1]
+    chats = [ex["messages"] for ex in examples(task, prompts)]
+    return float(tokenizer.encode_chat(chats)[1].sum(axis=1).mean())
+
+
+def model_tflop(w: dict, lora: bool, run: dict) -> float:
+    """The model arithmetic of one of `run`'s steps, in TFLOP (`jaxgrpo.flops`): sampling
+    (prefill and decode), one scoring pass and the update's forward and backward, without what
+    remat recomputes; prompts of the workload's mean length, completions of the run's mean
+    length. Both frameworks must do this work, whatever else they do."""
+    from jaxgrpo import flops, memory
+    from jaxgrpo.models.config import LoRAConfig
+
+    prompt_len = _mean_prompt_len(w["task"], w["prompts"])
+    arch = MODELS[w["model"]] or "SmolLM2-135M"
+    cfg = memory.model_config(f"random:{arch}", lora=LoRAConfig() if lora else None)
+    cfg = cfg.replace(remat=False, dtype="float32")
+    b, rows = w["prompts"], w["prompts"] * w["group"]
+    n = run["tokens_per_s"] * run["sampling"] / rows
+    total = flops.prefill(cfg, b, prompt_len) + flops.decode(cfg, rows, prompt_len, n)
+    total += flops.score(cfg, b, prompt_len, rows, n) + flops.update(cfg, b, prompt_len, rows, n)
+    return total / 1e12
 
 
 def table_rows(result: dict) -> list[str]:
@@ -379,6 +413,13 @@ def table_rows(result: dict) -> list[str]:
             cell(j, "{:.2f}", "peak_rss_mb", 1024),
             cell(t, "{:.2f}", "peak_rss_mb", 1024),
             f"{j['peak_rss_mb'] / t['peak_rss_mb']:.2f}" if both else "-",
+            f"{model_tflop(w, variant.startswith('lora'), j or t):.2f}",
+            " / ".join(
+                f"{model_tflop(w, variant.startswith('lora'), r) * 1e3 / r['seconds']:.0f}"
+                if r
+                else "-"
+                for r in (j, t)
+            ),
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
