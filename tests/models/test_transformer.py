@@ -187,7 +187,7 @@ def _decode_paths(model, ids, mask, prefill_len):
 
 @pytest.mark.parametrize("scan_decode", [False, True], ids=["unrolled", "scanned"])
 def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch, scan_decode):
-    """The sampler's decode path (decode-layout [out, in] weights with LoRA folded in, a
+    """The sampler's decode path (decode-layout [in, out] weights with LoRA folded in, a
     [B, K, H, S] / [B, K, S, H] cache whose prompt part is shared by each prompt's G = 2 rows),
     unrolled over per-layer arrays or scanned over stacked ones, gives the training model's
     logits on a repeated cache, adapters unmerged (1e-5)."""
