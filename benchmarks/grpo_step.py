@@ -371,8 +371,7 @@ def model_tflop(w: dict, lora: bool, run: dict) -> float:
     from jaxgrpo.models.config import LoRAConfig
 
     prompt_len = _mean_prompt_len(w["task"], w["prompts"])
-    arch = MODELS[w["model"]] or "SmolLM2-135M"
-    cfg = memory.model_config(f"random:{arch}", lora=LoRAConfig() if lora else None)
+    cfg = memory.model_config(w["model"], lora=LoRAConfig() if lora else None)
     cfg = cfg.replace(remat=False, dtype="float32")
     b, rows = w["prompts"], w["prompts"] * w["group"]
     n = run["tokens_per_s"] * run["sampling"] / rows
@@ -395,6 +394,7 @@ def table_rows(result: dict) -> list[str]:
             return " / ".join(f"{r[k]:.1f}" for k in PHASES) if r else "-"
 
         both = j is not None and t is not None
+        tflop = [model_tflop(w, variant.startswith("lora"), r) if r else 0.0 for r in (j, t)]
         cells = [
             w["model"],
             w["task"],
@@ -413,12 +413,10 @@ def table_rows(result: dict) -> list[str]:
             cell(j, "{:.2f}", "peak_rss_mb", 1024),
             cell(t, "{:.2f}", "peak_rss_mb", 1024),
             f"{j['peak_rss_mb'] / t['peak_rss_mb']:.2f}" if both else "-",
-            f"{model_tflop(w, variant.startswith('lora'), j or t):.2f}",
+            f"{tflop[0] if j else tflop[1]:.2f}",
             " / ".join(
-                f"{model_tflop(w, variant.startswith('lora'), r) * 1e3 / r['seconds']:.0f}"
-                if r
-                else "-"
-                for r in (j, t)
+                f"{x * 1e3 / r['seconds']:.0f}" if r else "-"
+                for x, r in zip(tflop, (j, t), strict=True)
             ),
         ]
         lines.append("| " + " | ".join(cells) + " |")
