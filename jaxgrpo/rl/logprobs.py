@@ -8,7 +8,9 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
   152k). Logits are computed only at the T positions that predict completion tokens, and in
   chunks of `chunk_size` positions whose hand-written VJP (`_head_stats`) recomputes each
   chunk's `[R, C, V]` block instead of storing all of them, unless all of them together take
-  at most `KEEP_LOG_PROBS_BYTES` (then the backward pass reads them and skips a matmul).
+  at most `KEEP_LOG_PROBS_BYTES` (then the backward pass reads them and skips a matmul). With
+  a frozen head (LoRA) and no entropy bonus, the forward pass keeps the log-prob's gradient
+  with respect to the hidden state instead, `[R, C, D]`, and the backward pass only scales it.
 * Shared prompts. The G samples of a group have the same prompt, which is usually most of the
   tokens. `shared_prefix_logprobs` runs the prompt once per group and the completions after
   it, as segments of one pass (`Transformer.forward_segments`): at every layer the completions
@@ -40,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.custom_derivatives import SymbolicZero
 
 from jaxgrpo.models.layers import banded_mask
 from jaxgrpo.models.transformer import Segment
@@ -47,9 +50,10 @@ from jaxgrpo.platform import backend
 from jaxgrpo.rl.packing import Packing
 from jaxgrpo.types import Array, PyTree
 
-# Up to this many bytes of [R, T, V] float32 log-probabilities, the backward pass of the
-# head keeps them instead of recomputing the logits (the GRPO benchmark's 512 packed
-# positions x SmolLM2's 49,152 tokens: 100 MB held, a [512, 576] x [576, 49152] matmul saved).
+# Up to this many bytes of [R, T, V] float32 log-probabilities, the backward pass of a head
+# that is trained (full fine-tuning) keeps them instead of recomputing the logits (the GRPO
+# benchmark's 512 packed positions x SmolLM2's 49,152 tokens: 100 MB held, a [512, 576] x
+# [576, 49152] matmul saved).
 KEEP_LOG_PROBS_BYTES = 256 << 20
 
 
@@ -65,8 +69,14 @@ def _head_stats(
     dlogp * (onehot - p) - dentropy * p * (log p + entropy), all over the temperature,
     from the [R, C, V] log-probabilities: kept from the forward pass when `keep`, else
     recomputed (one matmul, so nothing [R, C, V] is held between the passes).
+
+    With a frozen head (LoRA) and an entropy that is not differentiated (no entropy bonus),
+    the forward pass instead multiplies (onehot - p) / temperature by the head at once: the
+    log-prob's gradient with respect to h, [R, C, D], which the backward pass only scales by
+    its cotangent. Two matmuls of [R, C, V] by [V, D] in all instead of three (the logits,
+    their recomputation and the gradient), and nothing vocabulary-sized kept.
     """
-    return _head_stats_fwd(h_RCD, w_VD, tokens_RC, temps_RC, dtype, keep)[0]
+    return _head_forward(h_RCD, w_VD, tokens_RC, temps_RC, dtype)[:2]
 
 
 def _head_logits(h_RCD, w_VD, dtype):
@@ -75,40 +85,71 @@ def _head_logits(h_RCD, w_VD, dtype):
     )
 
 
-def _head_stats_fwd(h_RCD, w_VD, tokens_RC, temps_RC, dtype, keep):
+def _head_forward(h_RCD, w_VD, tokens_RC, temps_RC, dtype):
+    """(log-prob, entropy, [R, C, V] log-probabilities, log-sum-exp) of the tempered logits."""
     z_RCV = _head_logits(h_RCD, w_VD, dtype) / temps_RC[..., None]
     lse_RC = jax.nn.logsumexp(z_RCV, axis=-1)
     logp_RC = jnp.take_along_axis(z_RCV, tokens_RC[..., None], axis=-1)[..., 0] - lse_RC
     logq_RCV = z_RCV - lse_RC[..., None]
     entropy_RC = -jnp.sum(jnp.exp(logq_RCV) * logq_RCV, axis=-1)
-    kept = logq_RCV if keep else lse_RC
-    return (logp_RC, entropy_RC), (h_RCD, w_VD, tokens_RC, temps_RC, kept, entropy_RC)
+    return logp_RC, entropy_RC, logq_RCV, lse_RC
+
+
+def _dlogits(logq_RCV, tokens_RC, temps_RC, dlogp_RC, dent_RC=None, entropy_RC=None):
+    """d(loss)/d(logits) [R, C, V], float32: dlogp (onehot - p) - dent p (log p + entropy), all
+    over the temperature (no entropy part without ``dent_RC``)."""
+    n, c = tokens_RC.shape
+    scale_RCV = dlogp_RC[..., None]
+    if dent_RC is not None:
+        scale_RCV = scale_RCV + dent_RC[..., None] * (logq_RCV + entropy_RC[..., None])
+    dz_RCV = -jnp.exp(logq_RCV) * scale_RCV
+    dz_RCV = dz_RCV.at[jnp.arange(n)[:, None], jnp.arange(c)[None, :], tokens_RC].add(dlogp_RC)
+    return dz_RCV / temps_RC[..., None]
+
+
+def _head_stats_fwd(h_RCD, w_VD, tokens_RC, temps_RC, dtype, keep):
+    frozen_head = not w_VD.perturbed
+    h_RCD, w_VD, tokens_RC, temps_RC = (x.value for x in (h_RCD, w_VD, tokens_RC, temps_RC))
+    logp_RC, entropy_RC, logq_RCV, lse_RC = _head_forward(h_RCD, w_VD, tokens_RC, temps_RC, dtype)
+    if frozen_head:
+        dz_RCV = _dlogits(logq_RCV, tokens_RC, temps_RC, jnp.ones_like(logp_RC))
+        kept = {"dlogp_dh": jnp.einsum(
+            "RCV,VD->RCD", dz_RCV.astype(dtype), w_VD.astype(dtype),
+            preferred_element_type=jnp.float32,
+        )}  # fmt: skip
+    else:
+        kept = {"logq": logq_RCV} if keep else {"lse": lse_RC}
+    residuals = (h_RCD, w_VD, tokens_RC, temps_RC, kept, entropy_RC)
+    return (logp_RC, entropy_RC), residuals
 
 
 def _head_stats_bwd(dtype, keep, residuals, cotangents):
     h_RCD, w_VD, tokens_RC, temps_RC, kept, entropy_RC = residuals
-    dlogp_RC, dent_RC = cotangents
-    if keep:
-        logq_RCV = kept
-    else:
-        z_RCV = _head_logits(h_RCD, w_VD, dtype) / temps_RC[..., None]
-        logq_RCV = z_RCV - kept[..., None]
-    dz_RCV = -jnp.exp(logq_RCV) * (
-        dlogp_RC[..., None] + dent_RC[..., None] * (logq_RCV + entropy_RC[..., None])
+    dlogp_RC, dent_RC = (
+        jnp.zeros_like(entropy_RC) if isinstance(ct, SymbolicZero) else ct for ct in cotangents
     )
-    n, c = tokens_RC.shape
-    dz_RCV = dz_RCV.at[jnp.arange(n)[:, None], jnp.arange(c)[None, :], tokens_RC].add(dlogp_RC)
-    dz_RCV = (dz_RCV / temps_RC[..., None]).astype(dtype)
+    if "dlogp_dh" in kept and isinstance(cotangents[1], SymbolicZero):
+        dh_RCD = dlogp_RC[..., None] * kept["dlogp_dh"]
+        return dh_RCD.astype(h_RCD.dtype), None, None, None
+    if "logq" in kept:
+        logq_RCV = kept["logq"]
+    else:  # recompute the logits (also when a frozen head's entropy is differentiated)
+        z_RCV = _head_logits(h_RCD, w_VD, dtype) / temps_RC[..., None]
+        lse_RC = kept["lse"] if "lse" in kept else jax.nn.logsumexp(z_RCV, axis=-1)
+        logq_RCV = z_RCV - lse_RC[..., None]
+    dz_RCV = _dlogits(logq_RCV, tokens_RC, temps_RC, dlogp_RC, dent_RC, entropy_RC).astype(dtype)
     dh_RCD = jnp.einsum(
         "RCV,VD->RCD", dz_RCV, w_VD.astype(dtype), preferred_element_type=jnp.float32
     )
-    dw_VD = jnp.einsum(
-        "RCV,RCD->VD", dz_RCV, h_RCD.astype(dtype), preferred_element_type=jnp.float32
-    )
-    return dh_RCD.astype(h_RCD.dtype), dw_VD.astype(w_VD.dtype), None, jnp.zeros_like(temps_RC)
+    dw_VD = None
+    if "dlogp_dh" not in kept:
+        dw_VD = jnp.einsum(
+            "RCV,RCD->VD", dz_RCV, h_RCD.astype(dtype), preferred_element_type=jnp.float32
+        ).astype(w_VD.dtype)
+    return dh_RCD.astype(h_RCD.dtype), dw_VD, None, None
 
 
-_head_stats.defvjp(_head_stats_fwd, _head_stats_bwd)
+_head_stats.defvjp(_head_stats_fwd, _head_stats_bwd, symbolic_zeros=True)
 
 
 # Rows x positions per logits block at least, on CPU: one packed row scored 64 positions at a
@@ -131,8 +172,7 @@ def head_token_logprobs(
     """Scores `tokens_RT` from the hidden states that predict them, chunk by chunk over T.
 
     Logits come from the model's linear LM head (`model.head_weight()`), C positions at a time
-    under a scan; `_head_stats` recomputes each chunk's [R, C, V] logits in the backward pass
-    instead of keeping them.
+    under a scan; `_head_stats` keeps no chunk's [R, C, V] logits for the backward pass.
 
     Args:
         model: a `Transformer` (or anything with `head_weight()` and `cfg.dtype`).

@@ -115,10 +115,19 @@ def test_head_token_logprobs_any_chunk_size(chunk_size):
     np.testing.assert_allclose(ent, want_ent, atol=1e-5)
 
 
+HEAD_GRADS = pytest.mark.parametrize(
+    "wrt, entropy_grad",
+    [((0, 1), True), ((0,), True), ((0,), False)],
+    ids=["head-trained", "head-frozen", "head-frozen-no-entropy-grad"],
+)
+
+
+@HEAD_GRADS
 @pytest.mark.parametrize("keep", [True, False], ids=["kept", "recomputed"])
-def test_head_vjp_equals_autodiff(keep, monkeypatch):
-    """The hand-written backward of the LM-head statistics equals autodiff of the plain ones,
-    with the [N, T, V] log-probabilities kept from the forward pass or recomputed."""
+def test_head_vjp_equals_autodiff(keep, wrt, entropy_grad, monkeypatch):
+    """The hand-written backward of the LM-head statistics equals autodiff of the plain ones:
+    with the head trained or frozen (LoRA), the entropy differentiated or not (no entropy
+    bonus), the [N, T, V] log-probabilities kept from the forward pass or recomputed."""
     monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", lp.KEEP_LOG_PROBS_BYTES if keep else 0)
     rng, h, w, tokens, temps = _head_case(3)
     a, c = (jnp.asarray(rng.normal(size=(3, 7)), jnp.float32) for _ in range(2))
@@ -128,13 +137,37 @@ def test_head_vjp_equals_autodiff(keep, monkeypatch):
             logp, ent = lp.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size=4)
         else:
             logp, ent = _plain_stats(h, w, tokens, temps)
-        return jnp.sum(a * logp + c * ent), (logp, ent)
+        return jnp.sum(a * logp + (c * ent if entropy_grad else 0.0)), (logp, ent)
 
-    (_, want), want_g = jax.value_and_grad(objective, (0, 1), has_aux=True)(h, w, False)
-    (_, got), got_g = jax.value_and_grad(objective, (0, 1), has_aux=True)(h, w, True)
+    (_, want), want_g = jax.value_and_grad(objective, wrt, has_aux=True)(h, w, False)
+    (_, got), got_g = jax.value_and_grad(objective, wrt, has_aux=True)(h, w, True)
     for x, y in zip(got + got_g, want + want_g, strict=True):
         assert float(jnp.abs(y).max()) > 1e-3
         np.testing.assert_allclose(x, y, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "wrt, entropy_grad, matmuls",
+    [((0, 1), True, 4), ((0,), False, 2)],
+    ids=["head-trained", "head-frozen-no-entropy-grad"],
+)
+def test_head_matmuls_per_update(wrt, entropy_grad, matmuls, monkeypatch):
+    """The update's vocabulary-sized matmuls: with a trained head the logits, their
+    recomputation, the gradient through the head and the head's own; with a frozen head whose
+    entropy is not differentiated (LoRA without an entropy bonus) only the logits and, in the
+    same forward pass, the log-prob's gradient with respect to h."""
+    monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", 0)
+    _, h, w, tokens, temps = _head_case(3)
+    v = w.shape[0]
+
+    def objective(h, w):
+        logp, ent = lp.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size=4)
+        return jnp.sum(logp + (ent if entropy_grad else 0.0))
+
+    jaxpr = jax.make_jaxpr(jax.grad(objective, wrt))(h, w).jaxpr
+    dots = [e for e in _eqns(jaxpr) if e.primitive.name == "dot_general"]
+    vocab = [e for e in dots if any(v in x.aval.shape for x in (*e.invars, *e.outvars))]
+    assert len(vocab) == matmuls
 
 
 # Packed scoring, with the dense segment mask, banded by blocks of 6 columns that attend the
@@ -310,16 +343,22 @@ def test_pack_places_every_token_once():
     assert pack(np.full(8, 2048 // 8), 8, 512).src_BL.shape == (1, 2048)
 
 
-def _shapes(jaxpr):
-    """Every intermediate shape of a jaxpr, recursing into scan/remat/pjit bodies."""
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, recursing into scan/remat/pjit/custom-VJP bodies."""
     for eqn in jaxpr.eqns:
-        for var in eqn.outvars:
-            yield getattr(var.aval, "shape", ())
+        yield eqn
         for param in eqn.params.values():
             for inner in param if isinstance(param, tuple | list) else (param,):
                 inner = getattr(inner, "jaxpr", inner)
                 if hasattr(inner, "eqns"):
-                    yield from _shapes(inner)
+                    yield from _eqns(inner)
+
+
+def _shapes(jaxpr):
+    """Every intermediate shape of a jaxpr, recursing into scan/remat/pjit bodies."""
+    for eqn in _eqns(jaxpr):
+        for var in eqn.outvars:
+            yield getattr(var.aval, "shape", ())
 
 
 @pytest.mark.parametrize(
