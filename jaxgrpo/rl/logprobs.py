@@ -112,11 +112,11 @@ def _head_stats_fwd(h_RCD, w_VD, tokens_RC, temps_RC, dtype, keep):
     h_RCD, w_VD, tokens_RC, temps_RC = (x.value for x in (h_RCD, w_VD, tokens_RC, temps_RC))
     logp_RC, entropy_RC, logq_RCV, lse_RC = _head_forward(h_RCD, w_VD, tokens_RC, temps_RC, dtype)
     if frozen_head:
-        dz_RCV = _dlogits(logq_RCV, tokens_RC, temps_RC, jnp.ones_like(logp_RC))
-        kept = {"dlogp_dh": jnp.einsum(
-            "RCV,VD->RCD", dz_RCV.astype(dtype), w_VD.astype(dtype),
-            preferred_element_type=jnp.float32,
-        )}  # fmt: skip
+        dz_RCV = _dlogits(logq_RCV, tokens_RC, temps_RC, jnp.ones_like(logp_RC)).astype(dtype)
+        dlogp_dh_RCD = jnp.einsum(
+            "RCV,VD->RCD", dz_RCV, w_VD.astype(dtype), preferred_element_type=jnp.float32
+        )
+        kept = {"dlogp_dh": dlogp_dh_RCD}
     else:
         kept = {"logq": logq_RCV} if keep else {"lse": lse_RC}
     residuals = (h_RCD, w_VD, tokens_RC, temps_RC, kept, entropy_RC)
