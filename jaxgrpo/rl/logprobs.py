@@ -85,6 +85,13 @@ def _head_logits(h_RCD, w_VD, dtype):
     )
 
 
+def _through_head(dz_RCV, w_VD, dtype):
+    """[R, C, V] gradients times the head: their gradient with respect to h, float32."""
+    return jnp.einsum(
+        "RCV,VD->RCD", dz_RCV.astype(dtype), w_VD.astype(dtype), preferred_element_type=jnp.float32
+    )
+
+
 def _head_forward(h_RCD, w_VD, tokens_RC, temps_RC, dtype):
     """(log-prob, entropy, [R, C, V] log-probabilities, log-sum-exp) of the tempered logits."""
     z_RCV = _head_logits(h_RCD, w_VD, dtype) / temps_RC[..., None]
@@ -112,11 +119,8 @@ def _head_stats_fwd(h_RCD, w_VD, tokens_RC, temps_RC, dtype, keep):
     h_RCD, w_VD, tokens_RC, temps_RC = (x.value for x in (h_RCD, w_VD, tokens_RC, temps_RC))
     logp_RC, entropy_RC, logq_RCV, lse_RC = _head_forward(h_RCD, w_VD, tokens_RC, temps_RC, dtype)
     if frozen_head:
-        dz_RCV = _dlogits(logq_RCV, tokens_RC, temps_RC, jnp.ones_like(logp_RC)).astype(dtype)
-        dlogp_dh_RCD = jnp.einsum(
-            "RCV,VD->RCD", dz_RCV, w_VD.astype(dtype), preferred_element_type=jnp.float32
-        )
-        kept = {"dlogp_dh": dlogp_dh_RCD}
+        dz_RCV = _dlogits(logq_RCV, tokens_RC, temps_RC, jnp.ones_like(logp_RC))
+        kept = {"dlogp_dh": _through_head(dz_RCV, w_VD, dtype)}
     else:
         kept = {"logq": logq_RCV} if keep else {"lse": lse_RC}
     residuals = (h_RCD, w_VD, tokens_RC, temps_RC, kept, entropy_RC)
@@ -138,11 +142,9 @@ def _head_stats_bwd(dtype, keep, residuals, cotangents):
         lse_RC = kept["lse"] if "lse" in kept else jax.nn.logsumexp(z_RCV, axis=-1)
         logq_RCV = z_RCV - lse_RC[..., None]
     dz_RCV = _dlogits(logq_RCV, tokens_RC, temps_RC, dlogp_RC, dent_RC, entropy_RC).astype(dtype)
-    dh_RCD = jnp.einsum(
-        "RCV,VD->RCD", dz_RCV, w_VD.astype(dtype), preferred_element_type=jnp.float32
-    )
+    dh_RCD = _through_head(dz_RCV, w_VD, dtype)
     dw_VD = None
-    if "dlogp_dh" not in kept:
+    if "dlogp_dh" not in kept:  # a trained head (a frozen one kept the product above)
         dw_VD = jnp.einsum(
             "RCV,RCD->VD", dz_RCV, h_RCD.astype(dtype), preferred_element_type=jnp.float32
         ).astype(w_VD.dtype)
