@@ -31,6 +31,7 @@ EXTRAS = {
         "torch==2.13.0",
         "pytest==9.2.0",
         "pytest-timeout==2.4.0",
+        "pytest-xdist==3.8.0",  # the suite runs in two workers (pyproject.toml's addopts)
         "chex==0.1.92",
         "hypothesis==6.170.17",
         "ruff==0.17.6",

@@ -3,6 +3,8 @@
 import os
 
 from jaxgrpo.platform import (  # imports no jax
+    CACHE_ENV,
+    FORCE_HOST_DEVICES_FLAG,
     force_host_devices,
     keep_freed_memory,
     use_cpu_xla_flags,
@@ -17,6 +19,26 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_compilation_cache(tmp_path_factory):
+    """The CLIs the tests start write their compiled programs to a cache of this session's own,
+    never the user's ``~/.cache``; runs on one CPU device (`cli_env`) read back what an earlier
+    run compiled. With the tests' forced host devices the cache stays off."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("xla_cache")))
+        yield
+
+
+@pytest.fixture
+def cli_env() -> dict[str, str]:
+    """The environment for a `python -m jaxgrpo.<cli>` subprocess on one CPU device (the
+    tests' forced host device count removed), so it reads and fills the session's compilation
+    cache: for tests about a run's files, output and resumption, not about collectives."""
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith(FORCE_HOST_DEVICES_FLAG)]
+    return {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": " ".join(flags)}
 
 
 def _has(module: str) -> bool:

@@ -19,7 +19,6 @@ from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import tiny_model_config, tiny_tokenizer
 from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.platform import FORCE_HOST_DEVICES_FLAG
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.runtime import RunFiles
 
@@ -95,12 +94,6 @@ class _ToyLearner:
 def _cfg(run_dir, **overrides):
     base = {"run_dir": str(run_dir), "logging.tensorboard": False, "checkpoint.every": 2}
     return load_config("tiny", {**base, **overrides})
-
-
-def _one_host_device() -> str:
-    """XLA_FLAGS without the tests' forced host device count: one CPU device."""
-    flags = os.environ.get("XLA_FLAGS", "").split()
-    return " ".join(f for f in flags if not f.startswith(FORCE_HOST_DEVICES_FLAG))
 
 
 def _rows(run_dir):
@@ -195,17 +188,11 @@ def test_run_files_for_remote_run_dirs(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_cli_reports_the_run_and_a_rerun_compiles_nothing(tmp_path):
+def test_cli_reports_the_run_and_a_rerun_compiles_nothing(tmp_path, cli_env):
     """The header, held-out lines and summary a user sees; the second identical run reads every
     program from the persistent compilation cache instead of compiling it (on one CPU device:
     with several forced host devices the cache is off)."""
-    env = {
-        **os.environ,
-        "JAX_PLATFORMS": "cpu",
-        "JAX_LOG_COMPILES": "1",
-        "JAXGRPO_CACHE_DIR": str(tmp_path / "cache"),
-        "XLA_FLAGS": _one_host_device(),
-    }
+    env = {**cli_env, "JAX_LOG_COMPILES": "1", "JAXGRPO_CACHE_DIR": str(tmp_path / "cache")}
     runs = []
     for name in ("first", "second"):
         args = ["--config", "tiny", f"--config.run_dir={tmp_path / name}", "--config.steps=2"]
@@ -242,24 +229,21 @@ def test_cli_reports_the_run_and_a_rerun_compiles_nothing(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_killed_between_its_rows_and_its_checkpoint_logs_every_step_once(tmp_path):
+def test_a_run_killed_between_its_rows_and_its_checkpoint_logs_every_step_once(tmp_path, cli_env):
     """SIGKILL right after step 2's metrics and samples rows are written and before its
     checkpoint (fault injection): the resumed run rewrites step 2, so metrics.jsonl and
     samples.jsonl hold each step exactly once and equal an uninterrupted run's."""
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAXGRPO_CACHE_DIR": str(tmp_path / "cache")}
 
     def train(run_dir, **extra_env):
         args = ["--config", "tiny", f"--config.run_dir={run_dir}", "--config.checkpoint.every=1"]
         args += ["--config.logging.samples_every=1"]
         cmd = [sys.executable, "-m", "jaxgrpo.train", *args]
         return subprocess.run(
-            cmd, capture_output=True, text=True, env={**env, **extra_env}, timeout=300
+            cmd, capture_output=True, text=True, env={**cli_env, **extra_env}, timeout=300
         )
 
     full = train(tmp_path / "full")
     assert full.returncode == 0, full.stderr[-2000:]
-    n = jax.device_count()  # forced host devices: the cache stays off and the header says why
-    assert f"cache    off ({n} forced host devices: their collectives deadlock" in full.stdout
     killed = train(tmp_path / "killed", JAXGRPO_FAULT="logged:2")
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert [r["step"] for r in _rows(tmp_path / "killed")] == [0, 1, 2], "killed in the window"
@@ -302,5 +286,7 @@ def test_task_arguments_from_the_command_line_and_bad_data_in_one_line(tmp_path)
         tmp_path,
     )
     assert ok.returncode == 0, ok.stderr[-2000:]
+    n = jax.device_count()  # forced host devices: the cache stays off and the header says why
+    assert f"cache    off ({n} forced host devices: their collectives deadlock" in ok.stdout
     with open(tmp_path / "g" / "config.json", encoding="utf-8") as f:
         assert json.load(f)["task"]["kwargs"] == {"source": str(good)}

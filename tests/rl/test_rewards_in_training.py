@@ -5,7 +5,6 @@ Each test runs `Learner.step` on the random tiny model (tiny.py, 2 prompts x 4 s
 """
 
 import dataclasses
-import os
 import subprocess
 import sys
 import textwrap
@@ -107,7 +106,7 @@ def test_reward_failing_some_samples_keeps_training(tiny):
     assert [m["reward/every_other/failed_frac"] for m in history] == [0.5] * 3
 
 
-def test_cli_reports_a_failing_reward_in_one_line(tmp_path):
+def test_cli_reports_a_failing_reward_in_one_line(tmp_path, cli_env):
     (tmp_path / "bad_rewards.py").write_text(
         "def always_raises(prompts, completions, **kwargs):\n    raise KeyError('solution')\n"
     )
@@ -125,7 +124,7 @@ def test_cli_reports_a_failing_reward_in_one_line(tmp_path):
             """
         )
     )
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(tmp_path)}
+    env = {**cli_env, "PYTHONPATH": str(tmp_path)}
     cmd = [sys.executable, "-m", "jaxgrpo.train", "--config", str(tmp_path / "cfg.py")]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode != 0
