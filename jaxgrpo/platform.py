@@ -1,5 +1,6 @@
-"""Process set-up: XLA flags, the allocator, the compilation cache, quiet third-party
-libraries and JAX's multi-process runtime, done by every CLI first thing (`prepare_cli`).
+"""Process set-up: XLA flags, the allocator, the JAX platforms, the compilation cache, quiet
+third-party libraries and JAX's multi-process runtime, done by every CLI first thing
+(`prepare_cli`).
 
 Nothing here imports jax at module level: the flags and the allocator must be set before JAX
 starts its backend and threads.
@@ -8,10 +9,13 @@ starts its backend and threads.
 from __future__ import annotations
 
 import ctypes
+import glob
+import importlib.util
 import logging
 import os
 import re
 import sys
+from collections.abc import Mapping
 
 # XLA:CPU hands dots, reductions and elementwise fusions to its YNNPACK library by default;
 # its dots are fast but its reductions slow at our shapes, so only dots go to it (figures in
@@ -109,11 +113,100 @@ def enable_compilation_cache() -> str | None:
 
 def prepare_cli() -> None:
     """The process set-up every CLI does first: XLA:CPU flags and the allocator (before JAX
-    starts its backend and threads), quiet third-party advice, the compilation cache."""
+    starts its backend and threads), no TPU runtime on a host without TPU chips, quiet
+    third-party advice, the compilation cache."""
     use_cpu_xla_flags()
     keep_freed_memory()
+    skip_absent_tpu()
     quiet_libraries()
     enable_compilation_cache()
+
+
+# Local signs of TPU chips: the device files libtpu opens (accelN on TPU v2-v4, VFIO groups on
+# v5e and later) and the variables a TPU VM or GKE sets, or a user sets to ask for a TPU.
+TPU_DEVICE_GLOBS = ("dev/accel[0-9]*", "dev/vfio/[0-9]*")
+TPU_ENV = (
+    "JAX_FORCE_TPU_INIT", "TPU_ACCELERATOR_TYPE", "TPU_WORKER_HOSTNAMES", "TPU_VISIBLE_CHIPS"
+)  # fmt: skip
+GOOGLE_PCI_VENDOR = "0x1ae0"
+# PCI class prefixes of Google's devices that are not TPUs: storage (NVMe) and network (gVNIC),
+# present on every GCE VM.
+NOT_TPU_PCI_CLASSES = ("0x01", "0x02")
+# Signs of an NVIDIA GPU (the files JAX checks, and the driver's /proc entry) or an AMD one.
+NVIDIA_GPU_FILES = ("dev/nvidia0", "dev/nvidiactl", "dev/dxg", "proc/driver/nvidia")
+AMD_GPU_FILES = ("dev/kfd",)
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, encoding="ascii") as f:
+            return f.read().strip()
+    except (OSError, ValueError):
+        return ""
+
+
+def has_tpu_chips(root: str = "/", environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this host may have TPU chips, from local files and variables only (no metadata
+    server): a TPU variable, a TPU device file, or a Google PCI device that is not a disk or
+    a NIC. When unsure it says yes, which leaves JAX's own discovery in place."""
+    environ = os.environ if environ is None else environ
+    if any(name in environ for name in TPU_ENV):
+        return True
+    if any(glob.glob(os.path.join(root, pattern)) for pattern in TPU_DEVICE_GLOBS):
+        return True
+    for device in glob.glob(os.path.join(root, "sys/bus/pci/devices/*")):
+        if _read(os.path.join(device, "vendor")) == GOOGLE_PCI_VENDOR:
+            if not _read(os.path.join(device, "class")).startswith(NOT_TPU_PCI_CLASSES):
+                return True
+    return False
+
+
+def _has_cuda_plugin() -> bool:
+    """Whether JAX's CUDA plugin is installed (``jax_plugins.xla_cuda12``, ``xla_cuda13``)."""
+    spec = importlib.util.find_spec("jax_plugins")
+    places = spec.submodule_search_locations if spec else None
+    return any(glob.glob(os.path.join(place, "xla_cuda*")) for place in places or ())
+
+
+def host_platforms(root: str = "/", environ: Mapping[str, str] | None = None) -> str | None:
+    """The JAX platforms for this host, or None to leave the choice to JAX's discovery.
+
+    None where TPU chips may be present, or a GPU without JAX's CUDA plugin (naming "cuda"
+    would then stop the run; JAX's discovery says which plugin to install). "cuda,cpu" with an
+    NVIDIA GPU and the plugin: what JAX picks there anyway, less the TPU runtime. Else "cpu".
+    """
+    if has_tpu_chips(root, environ):
+        return None
+    nvidia = any(os.path.exists(os.path.join(root, f)) for f in NVIDIA_GPU_FILES)
+    if nvidia and _has_cuda_plugin():
+        return "cuda,cpu"
+    if nvidia or any(os.path.exists(os.path.join(root, f)) for f in AMD_GPU_FILES):
+        return None
+    return "cpu"
+
+
+def skip_absent_tpu(root: str = "/") -> str | None:
+    """Keeps JAX from starting the TPU runtime on a host without TPU chips.
+
+    With libtpu installed (the ``tpu`` extra), JAX starts it whether or not the host has
+    chips, and without chips it prints errors (host bounds, ``TPU_WORKER_HOSTNAMES``) that
+    read as a failed run. This sets ``jax_platforms`` to `host_platforms`, unless the user set
+    JAX_PLATFORMS (or ``jax_platforms``), which always wins. Call it before JAX's first
+    backend use: the CLIs' modules import jax, which reads JAX_PLATFORMS only then, so this
+    sets JAX's config, not the variable. Compiling for TPU topologies
+    (``jaxgrpo.compile``) loads libtpu by itself and needs no TPU backend.
+
+    Returns:
+      The platforms set, or None when JAX's choice was left alone.
+    """
+    import jax  # here, not at the top: the allocator must be set before jax is imported
+
+    if "JAX_PLATFORMS" in os.environ or jax.config.jax_platforms is not None:
+        return None
+    platforms = host_platforms(root)
+    if platforms:
+        jax.config.update("jax_platforms", platforms)
+    return platforms
 
 
 def quiet_libraries() -> None:
