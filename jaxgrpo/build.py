@@ -148,7 +148,13 @@ def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> li
 def build_rewards(cfg: config_lib.RewardsConfig, model: Any, tokenizer: Any) -> RewardSet:
     """The run's ``RewardSet``, model-based rewards bound to the (untrained) ``model``."""
     specs = bind_model_rewards(cfg.functions, model, tokenizer)
-    return RewardSet(specs, on_error=cfg.reward_on_error)
+    return RewardSet(
+        specs,
+        on_error=cfg.reward_on_error,
+        conversational=cfg.conversational,
+        timeout_s=cfg.timeout_s,
+        max_memory_gb=cfg.max_memory_gb,
+    )
 
 
 # ----------------------------------------------------------------------------------------------

@@ -61,6 +61,8 @@ class RewardsConfig:
     reward_on_error: str
     max_failed_steps: int
     conversational: bool
+    timeout_s: float
+    max_memory_gb: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +412,8 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
             reward_on_error=rw["reward_on_error"],
             max_failed_steps=rw["max_failed_steps"],
             conversational=rw["conversational"],
+            timeout_s=float(rw["timeout_s"]),
+            max_memory_gb=float(rw["max_memory_gb"]),
         ),
         sampling=SamplingConfig(
             **s

@@ -112,6 +112,12 @@ def _check_rewards(cfg: ConfigDict) -> None:
     _one_of(cfg, "rewards.reward_on_error", ("none", "raise"))
     failed = cfg.rewards.max_failed_steps
     _require(failed >= 1, "rewards.max_failed_steps", "must be >= 1", failed)
+    for key in ("timeout_s", "max_memory_gb"):
+        value = cfg.rewards[key]
+        ok = not isinstance(value, bool) and isinstance(value, int | float) and value >= 0
+        _require(
+            ok and math.isfinite(value), f"rewards.{key}", "must be >= 0 (0 = no limit)", value
+        )
 
 
 def _check_sampling(cfg: ConfigDict) -> None:

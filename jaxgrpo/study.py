@@ -267,7 +267,6 @@ class Evaluator:
         ``jaxgrpo.evaluate``'s layout (``runs.<label>.tasks.<task>``: summary and records)."""
         import jax
 
-        from jaxgrpo.build import load_policy
         from jaxgrpo.eval import cli
 
         path = os.path.join(out_dir, "eval_test.json")
@@ -277,10 +276,19 @@ class Evaluator:
         if cached.get("settings") == protocol and cached.get("step") == step:
             return {**cached["study"], "file": path}
         t0 = time.perf_counter()
-        model, tokenizer, step = load_policy(cfg, run_dir, self.mesh, cache=self.models)
+        model, tokenizer, reward_set, step = cli.load_scored_policy(
+            cfg, run_dir, self.mesh, cache=self.models
+        )
         task_name, examples = cli.task_examples(cfg, None, None, self.settings)
         summary, records = cli.evaluate_examples(
-            model, tokenizer, examples, self.settings, self.mesh
+            model,
+            tokenizer,
+            examples,
+            self.settings,
+            self.mesh,
+            reward_set=reward_set,
+            step=step,
+            max_steps=cfg.steps,
         )
         result = {
             "task": task_name,

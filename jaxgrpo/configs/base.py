@@ -51,6 +51,8 @@ def _rewards() -> ConfigDict:
     c.reward_on_error = "none"  # a reward fn that raises: "none" scores None, "raise" stops the run
     c.max_failed_steps = 3  # stop once a reward fn fails every sample of this many steps in a row
     c.conversational = False  # user reward fns get TRL's chat-message prompts/completions, not str
+    c.timeout_s = 300.0  # a reward fn's call past this many seconds scores its samples None; 0 off
+    c.max_memory_gb = 8.0  # ... or once it grows the process by this many GiB; 0 = no limit
     return c
 
 

@@ -47,7 +47,14 @@ import jax
 from etils import epath
 
 from jaxgrpo import config as config_lib
-from jaxgrpo.build import build_mesh, build_task, load_policy, start_distributed
+from jaxgrpo.build import (
+    build_mesh,
+    build_rewards,
+    build_task,
+    load_policy,
+    restore_params,
+    start_distributed,
+)
 from jaxgrpo.data import TASKS
 from jaxgrpo.data.base import RowTask
 from jaxgrpo.errors import UserError
@@ -55,6 +62,7 @@ from jaxgrpo.eval import metrics
 from jaxgrpo.eval.completions import Settings, sample
 from jaxgrpo.eval.judge import make_judge
 from jaxgrpo.platform import prepare_cli
+from jaxgrpo.rewards.inputs import reward_inputs
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation of runs.
@@ -87,9 +95,27 @@ def task_examples(cfg: Any, name: str | None, data: str | None, settings: Settin
     return task_cfg.name, list(examples)[: settings.max_examples]
 
 
-def evaluate_examples(model, tokenizer, examples, settings, mesh, judge_fn=None) -> tuple:
-    """(summary, records) of one model on one task's examples."""
-    out = sample(model, tokenizer, [ex["messages"] for ex in examples], settings, mesh)
+def evaluate_examples(
+    model,
+    tokenizer,
+    examples,
+    settings,
+    mesh,
+    judge_fn=None,
+    reward_set=None,
+    *,
+    step=0,
+    max_steps=0,
+) -> tuple:
+    """(summary, records) of one model on one task's examples.
+
+    With ``reward_set`` every completion is also scored by the run's reward functions, called
+    as in training (``jaxgrpo.rewards.reward_inputs``; ``trainer_state.global_step`` is
+    ``step``, the checkpoint's): each record gets ``reward`` and ``rewards`` (None where a
+    function could not score), the summary ``reward_mean`` and ``reward/<fn>/mean``.
+    """
+    messages = [ex["messages"] for ex in examples]
+    out = sample(model, tokenizer, messages, settings, mesh)
     records = metrics.score_samples(
         out["texts"],
         [ex.get("answer") for ex in examples],
@@ -102,7 +128,15 @@ def evaluate_examples(model, tokenizer, examples, settings, mesh, judge_fn=None)
     if judge_fn is not None:
         for record, verdict in zip(records, judge_fn(examples, out["texts"]), strict=True):
             record["judge"] = bool(verdict)
-    return metrics.summarize(records, settings.num_samples), records
+    summary = metrics.summarize(records, settings.num_samples)
+    if reward_set is not None:
+        g = settings.num_samples
+        prompts = [tokenizer.apply_chat_template(m) for m in messages for _ in range(g)]
+        inputs = reward_inputs(
+            examples, g, prompts, out["texts"], out["tokens"], step=step, max_steps=max_steps
+        )
+        summary.update(metrics.add_rewards(records, *reward_set.score(inputs)[:2]))
+    return summary, records
 
 
 def eval_settings(cfg: Any, args: argparse.Namespace) -> Settings:
@@ -128,16 +162,37 @@ def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:
     models: dict = {}
     for run_dir, label in runs:
         cfg = config_lib.run_config(args.config, run_dir, overrides) if run_dir else cfg0
-        model, tokenizer, step = load_policy(cfg, run_dir, mesh, args.model, cache=models)
+        model, tokenizer, reward_set, step = load_scored_policy(
+            cfg, run_dir, mesh, args.model, models
+        )
         entry: dict[str, Any] = {"checkpoint": run_dir, "step": step, "tasks": {}}
         for name, data in tasks:
             task_name, examples = task_examples(cfg, name, data, settings)
+            # Another task's examples lack the columns the run's rewards read.
+            scorer = reward_set if name is None or name == cfg.task.name else None
             summary, records = evaluate_examples(
-                model, tokenizer, examples, settings, mesh, judge_fn
+                model,
+                tokenizer,
+                examples,
+                settings,
+                mesh,
+                judge_fn,
+                scorer,
+                step=step,
+                max_steps=cfg.steps,
             )
             entry["tasks"][task_name] = {"summary": summary, "records": records}
         results[_unique(label, results)] = entry
     return results, settings
+
+
+def load_scored_policy(cfg: Any, run_dir: str | None, mesh, model_source=None, cache=None):
+    """(model, tokenizer, reward set, step): ``build.load_policy``'s trained policy and the
+    run's reward functions, model-based ones bound to the untrained model as in training."""
+    model, tokenizer, _ = load_policy(cfg, None, mesh, model_source, cache=cache)
+    reward_set = build_rewards(cfg.rewards, model, tokenizer)
+    step = restore_params(cfg, model, tokenizer, run_dir, mesh) if run_dir else 0
+    return model, tokenizer, reward_set, step
 
 
 def _unique(label: str, taken: dict) -> str:

@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from jaxgrpo.eval.completions import complete
+from jaxgrpo.rewards.inputs import reward_inputs
 from jaxgrpo.rl import step_metrics
+from jaxgrpo.sharding import to_host
 
 
 def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, float]:
@@ -41,6 +43,14 @@ def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, fl
         temperature=0.0,
     )
     prompts = [tok.apply_chat_template(m) for m in messages]
-    return step_metrics.eval_metrics(
-        learner.reward_set, examples, prompts, out["texts"], out["lengths"], out["truncated"]
+    step = int(to_host(state.step))  # the evaluated parameters' step, for trainer_state
+    inputs = reward_inputs(
+        examples,
+        1,
+        prompts,
+        out["texts"],
+        out["tokens"],
+        step=step,
+        max_steps=learner.cfg.steps,
     )
+    return step_metrics.eval_metrics(learner.reward_set, inputs, out["truncated"])

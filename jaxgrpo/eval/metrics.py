@@ -148,6 +148,28 @@ def score_samples(
     return records
 
 
+def add_rewards(
+    records: Sequence[dict[str, Any]], total: np.ndarray, per_fn: dict[str, np.ndarray]
+) -> dict[str, float]:
+    """Writes each record's ``reward`` (the weighted total) and ``rewards`` (per function, None
+    where it could not score); returns ``reward_mean`` and each ``reward/<fn>/mean`` and
+    ``reward/<fn>/failed_frac``, the names training logs."""
+
+    def value(x) -> float | None:
+        return None if not np.isfinite(x) else float(x)
+
+    for i, record in enumerate(records):
+        record["reward"] = value(total[i])
+        record["rewards"] = {name: value(v[i]) for name, v in per_fn.items()}
+    out = {"reward_mean": float(np.mean(np.nan_to_num(np.asarray(total, np.float64))))}
+    for name, values in per_fn.items():
+        values = np.asarray(values, np.float64)
+        finite = values[np.isfinite(values)]
+        out[f"reward/{name}/mean"] = float(finite.mean()) if finite.size else float("nan")
+        out[f"reward/{name}/failed_frac"] = float(np.isnan(values).mean())
+    return out
+
+
 def summarize(records: Sequence[dict[str, Any]], num_samples: int) -> dict[str, Any]:
     """Every figure of one evaluation from its per-sample records.
 

@@ -19,7 +19,7 @@ score; excluded from group statistics)::
   accept TRL's conversational completions when called directly.
 - ``completion_ids``: [N] lists of sampled token ids, without padding, up to and including
   the stop token (TRL's masked ``completion_ids``); ``completion_lengths``: [N] ints, their
-  lengths (jaxgrpo's own ``length_penalty`` reads them). Both only in training.
+  lengths (jaxgrpo's own ``length_penalty`` reads them).
 - ``trainer_state``: a ``combine.TrainerState`` with ``global_step`` (the step being scored,
   0-based) and ``max_steps`` (the run's ``steps``), the fields of ``transformers.TrainerState``
   that reward functions use; no others.
@@ -28,10 +28,17 @@ score; excluded from group statistics)::
 - ``**columns``: every task column but ``messages`` (e.g. ``answer``, ``reference``), one
   value per completion. Functions must therefore accept ``**kwargs``, as TRL's must.
 
+Every caller (training steps, held-out evaluation during training, ``python -m
+jaxgrpo.evaluate``, studies) builds these arguments with ``inputs.reward_inputs`` and calls
+``RewardSet.score``, so a function gets the same arguments wherever it runs; outside training
+``trainer_state.global_step`` is the step of the evaluated parameters.
+
 So a function written for TRL's GRPOTrainer runs unchanged; set ``rewards.conversational``
-to the data format it was written for. A function that raises or returns None for every
-sample of ``rewards.max_failed_steps`` consecutive steps stops the run with a
-``RewardError`` naming it and a failing sample.
+to the data format it was written for. Each call is bounded (``limits``): past
+``rewards.timeout_s`` seconds, or once it has grown the process by ``rewards.max_memory_gb``,
+it is interrupted and its samples score None, counted in ``reward/<fn>/failed_frac``. A
+function that raises or returns None for every sample of ``rewards.max_failed_steps``
+consecutive steps stops the run with a ``RewardError`` naming it and a failing sample.
 
 Model-based rewards (``embedding``, ``perplexity``) import the model code and load their
 weights on first call, so importing this package loads no model.
@@ -44,6 +51,7 @@ from jaxgrpo.rewards.code import code_tests
 from jaxgrpo.rewards.combine import Curriculum, RewardError, RewardSet, TrainerState
 from jaxgrpo.rewards.format import format_copy, format_r1, format_strict
 from jaxgrpo.rewards.hybrid import embedding_bleu, hard_soft
+from jaxgrpo.rewards.inputs import RewardInputs, columns_for, reward_inputs
 from jaxgrpo.rewards.length import length_penalty, repetition_penalty
 from jaxgrpo.rewards.math import exact_answer
 from jaxgrpo.rewards.registry import REWARDS, get_reward, reward_name
@@ -53,10 +61,12 @@ __all__ = [
     "REWARDS",
     "Curriculum",
     "RewardError",
+    "RewardInputs",
     "RewardSet",
     "TrainerState",
     "bleu",
     "code_tests",
+    "columns_for",
     "embedding_bleu",
     "exact_answer",
     "format_copy",
@@ -66,6 +76,7 @@ __all__ = [
     "hard_soft",
     "length_penalty",
     "repetition_penalty",
+    "reward_inputs",
     "reward_name",
     "sonnet_form",
     "sonnet_lines",

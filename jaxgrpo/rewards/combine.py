@@ -20,11 +20,15 @@ from typing import Any
 import numpy as np
 
 from jaxgrpo.errors import UserError
+from jaxgrpo.rewards.inputs import RewardInputs
+from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded
 from jaxgrpo.rewards.registry import get_reward, reward_name
 
 RewardFn = Callable[..., list]
 _LOG = logging.getLogger(__name__)
 CURRICULUM_KINDS = ("constant", "linear", "step", "cosine")
+TIMEOUT_S = 300.0  # rewards.timeout_s's default: one call of one function, for the whole batch
+MAX_MEMORY_GB = 8.0  # rewards.max_memory_gb's default: growth of the process during one call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,16 +142,32 @@ class RewardSet:
         function is logged once (a warning naming the function and the offending sample) and
         ``error_counts[name]`` counts all of them for the metrics; ``"raise"``: raise
         ``RewardError``, naming the function.
+      conversational: ``score`` gives user functions TRL's conversational prompts and
+        completions (lists of messages) instead of strings.
+      timeout_s / max_memory_gb: limits on each call of each function (``limits.bounded``;
+        0 = none). A call past one scores all its samples None (failed) and is logged once per
+        function; it never stops the run by itself (``max_failed_steps`` still applies).
 
     Attributes:
       logged_metrics / logged_extra: what functions passed to TRL's ``log_metric(name, value)``
         and ``log_extra(column, values)`` during the latest step scored.
     """
 
-    def __init__(self, specs: Sequence[Sequence[Any]], on_error: str = "none"):
+    def __init__(
+        self,
+        specs: Sequence[Sequence[Any]],
+        on_error: str = "none",
+        *,
+        conversational: bool = False,
+        timeout_s: float = TIMEOUT_S,
+        max_memory_gb: float = MAX_MEMORY_GB,
+    ):
         if on_error not in ("none", "raise"):
             raise ValueError(f"on_error must be 'none' or 'raise', got {on_error!r}")
         self.on_error = on_error
+        self.conversational = conversational
+        self.timeout_s = timeout_s
+        self.max_memory_gb = max_memory_gb
         self.terms: list[_Term] = []
         self.error_counts: dict[str, int] = {}
         self.logged_metrics: dict[str, list[float]] = {}
@@ -164,6 +184,29 @@ class RewardSet:
             fn = get_reward(target, **kwargs)
             builtin = _is_builtin(fn)
             self.terms.append(_Term(name, fn, Curriculum.from_spec(weight), builtin))
+
+    def score(
+        self, inputs: RewardInputs, *, max_failed_steps: int | None = None
+    ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
+        """Scores ``inputs`` (``jaxgrpo.rewards.inputs``): what every caller uses, so reward
+        functions get the same arguments in training and in evaluation.
+
+        Args:
+          inputs: the batch, its columns, step and run length.
+          max_failed_steps: as in ``__call__`` (training passes ``rewards.max_failed_steps``).
+
+        Returns:
+          As ``__call__``.
+        """
+        return self(
+            inputs.prompts,
+            inputs.completions,
+            inputs.columns,
+            inputs.step,
+            prompt_messages=inputs.prompt_messages if self.conversational else None,
+            max_steps=inputs.max_steps,
+            max_failed_steps=max_failed_steps,
+        )
 
     def weights(self, step: int) -> dict[str, float]:
         """Each function's weight at ``step``."""
@@ -267,12 +310,13 @@ class RewardSet:
         sample failed, else None."""
         n = len(completions)
         try:
-            values = term.fn(prompts=prompts, completions=completions, **columns, **context)
-            errors = {}
-        except Exception as error:
+            with bounded(self.timeout_s, self.max_memory_gb):
+                values, errors = self._call(term, prompts, completions, columns, context)
+        except RewardLimitExceeded as stop:
             if self.on_error == "raise":
-                raise RewardError(f"reward function {term.name!r} raised: {error!r}") from error
-            values, errors = self._score_one_by_one(term, prompts, completions, columns, context)
+                raise RewardError(f"reward function {term.name!r} {stop}") from None
+            self._report_limit(term, str(stop), n)
+            return np.full((n,), np.nan, np.float32), (0, str(stop))
         if values is None or len(values) != n:
             got = "None" if values is None else f"{len(values)} values"
             raise RewardError(f"reward function {term.name!r} returned {got} for {n} completions")
@@ -283,6 +327,29 @@ class RewardSet:
             i = min(errors)
             return out, (i, f"raised {errors[i]!r}")
         return out, (0, "returned None")
+
+    def _call(self, term: _Term, prompts, completions, columns, context):
+        """The function's values for the batch, and {index: error} of samples that raised."""
+        try:
+            values = term.fn(prompts=prompts, completions=completions, **columns, **context)
+            return values, {}
+        except Exception as error:
+            if self.on_error == "raise":
+                raise RewardError(f"reward function {term.name!r} raised: {error!r}") from error
+            return self._score_one_by_one(term, prompts, completions, columns, context)
+
+    def _report_limit(self, term: _Term, why: str, n: int) -> None:
+        """Counts a call stopped by a limit; the first of each function is logged."""
+        self.error_counts[term.name] = self.error_counts.get(term.name, 0) + n
+        if not term.reported:
+            term.reported = True
+            _LOG.warning(
+                "reward function %r %s; its %d samples score None (further failures are only "
+                "counted in error_counts)",
+                term.name,
+                why,
+                n,
+            )
 
     def _score_one_by_one(self, term: _Term, prompts, completions, columns, context):
         """Re-runs a failed batch per sample so only the offending samples score None."""

@@ -345,7 +345,7 @@ class Learner:
                 g,
                 step,
                 sampled=host,
-                rewards_cfg=self.cfg.rewards,
+                max_failed_steps=self.cfg.rewards.max_failed_steps,
                 max_steps=self.cfg.steps,
             )
         return ro.Rollout(

@@ -22,6 +22,7 @@ import numpy as np
 
 from jaxgrpo.eval import accuracy
 from jaxgrpo.models.tokenizer import bucket_length
+from jaxgrpo.rewards.inputs import columns_for, reward_inputs
 from jaxgrpo.rl.packing import Packing
 from jaxgrpo.types import Array
 
@@ -280,12 +281,6 @@ def concat(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
     )
 
 
-def columns_for(examples: Sequence[dict], group_size: int) -> dict[str, list[Any]]:
-    """Reward columns (every key but `messages`), each repeated for the G samples."""
-    keys = [k for k in examples[0] if k != "messages"]
-    return {k: [ex.get(k) for ex in examples for _ in range(group_size)] for k in keys}
-
-
 def score(
     reward_set: Any,
     task_name: str,
@@ -295,46 +290,30 @@ def score(
     group_size: int,
     step: int,
     *,
-    sampled: dict[str, np.ndarray] | None = None,
-    rewards_cfg: Any = None,
+    sampled: dict[str, np.ndarray],
+    max_failed_steps: int | None = None,
     max_steps: int = 0,
 ):
     """Runs the reward set and the strict-correctness check on R completions.
 
-    Reward functions get TRL's keyword arguments (see `jaxgrpo.rewards`): the task's columns,
-    `completion_ids` and `completion_lengths` from `sampled`, a `TrainerState` at `step`, and
-    with `rewards_cfg.conversational` the examples' messages as conversational prompts.
+    Reward functions get TRL's keyword arguments, built by ``jaxgrpo.rewards.reward_inputs``
+    as in every other caller.
 
     Args:
-        sampled: the sampler's host arrays: `tokens` and `mask` [R, T], `lengths` [R].
-        rewards_cfg: `RewardsConfig` (`conversational`, `max_failed_steps`), or None outside
-            training (strings, no failed-step limit).
+        sampled: the sampler's host arrays: `tokens` and `mask` [R, T].
+        max_failed_steps: `rewards.max_failed_steps` (training), or None.
         max_steps: the run's `steps`, for `trainer_state.max_steps`.
 
     Returns:
         (total float32 [R], per_fn name -> float32 [R], weights, correct bool [R] or None).
     """
-    columns = columns_for(examples, group_size)
-    reward_columns = dict(columns)
-    if sampled is not None:
-        rows = zip(sampled["tokens"], sampled["mask"], strict=True)
-        reward_columns["completion_ids"] = [t[m.astype(bool)].tolist() for t, m in rows]
-        reward_columns["completion_lengths"] = [int(x) for x in sampled["lengths"]]
-    messages, max_failed = None, None
-    if rewards_cfg is not None:
-        max_failed = rewards_cfg.max_failed_steps
-        if rewards_cfg.conversational:
-            messages = [ex["messages"] for ex in examples for _ in range(group_size)]
-    total, per_fn, weights = reward_set(
-        prompts,
-        completions,
-        reward_columns,
-        step,
-        prompt_messages=messages,
-        max_steps=max_steps,
-        max_failed_steps=max_failed,
+    rows = zip(sampled["tokens"], sampled["mask"], strict=True)
+    ids = [t[m.astype(bool)] for t, m in rows]
+    inputs = reward_inputs(
+        examples, group_size, prompts, completions, ids, step=step, max_steps=max_steps
     )
+    total, per_fn, weights = reward_set.score(inputs, max_failed_steps=max_failed_steps)
     total = np.nan_to_num(np.asarray(total, np.float32))
     per_fn = {k: np.asarray(v, np.float32) for k, v in per_fn.items()}
-    correct = accuracy.strict_correct(task_name, completions, columns)
+    correct = accuracy.strict_correct(task_name, completions, columns_for(examples, group_size))
     return total, per_fn, dict(weights), correct

@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from jaxgrpo.eval import accuracy
+from jaxgrpo.rewards.inputs import RewardInputs, columns_for
 from jaxgrpo.rl.advantages import group_advantages
-from jaxgrpo.rl.rollout import Rollout, columns_for
+from jaxgrpo.rl.rollout import Rollout
 from jaxgrpo.sampling import StopReason
 from jaxgrpo.sharding import to_host
 
@@ -165,21 +166,13 @@ def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:
     return out
 
 
-def eval_metrics(
-    reward_set: Any,
-    examples: Sequence[dict],
-    prompts: list[str],
-    completions: list[str],
-    lengths: Sequence[int],
-    truncated: Sequence[bool],
-) -> dict[str, float]:
+def eval_metrics(reward_set: Any, inputs: RewardInputs, truncated: Sequence[bool]) -> dict:
     """Strict/lenient accuracy and format rate (``jaxgrpo.eval.accuracy``), reward and length of
-    one completion per example."""
-    columns = columns_for(examples, 1)
-    scored = {**columns, "completion_lengths": [int(n) for n in lengths]}  # length_penalty
-    total, per_fn, _ = reward_set(prompts, completions, scored, 0)
+    one completion per example, the rewards called as in training (``RewardSet.score``)."""
+    total, per_fn, _ = reward_set.score(inputs)
+    lengths = inputs.columns["completion_lengths"]
     m = {
-        "num_examples": float(len(examples)),
+        "num_examples": float(len(inputs.completions)),
         "reward_mean": _mean(np.nan_to_num(np.asarray(total, np.float64))),
         "length_mean": _mean(lengths),
         "truncated_frac": _mean(truncated),
@@ -187,5 +180,6 @@ def eval_metrics(
     for name, values in per_fn.items():
         values = np.asarray(values, np.float64)
         m[f"reward/{name}/mean"] = _mean(values[np.isfinite(values)])
-    m.update(accuracy.rates(completions, columns))
+        m[f"reward/{name}/failed_frac"] = _mean(np.isnan(values))
+    m.update(accuracy.rates(inputs.completions, inputs.columns))
     return m

@@ -6,6 +6,7 @@ import pytest
 
 from jaxgrpo.eval import accuracy
 from jaxgrpo.eval import metrics as eval_metrics
+from jaxgrpo.rewards import RewardSet, reward_inputs
 from jaxgrpo.rewards.math import MATH_VERIFY, exact_answer
 from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.rollout import Rollout
@@ -118,13 +119,9 @@ def test_training_held_out_and_evaluate_report_the_same_figures():
         assert train[key] == pytest.approx(value), key
     assert train["completion/length_correct"] == pytest.approx((1 + 4 + 5) / 3)
 
-    def no_rewards(prompts, completions, columns, step):
-        return np.zeros(len(completions)), {}, {}
-
     held_examples = [ex for ex in examples for _ in range(g)]
-    held = step_metrics.eval_metrics(
-        no_rewards, held_examples, ["p"] * 6, completions, [1] * 6, [False] * 6
-    )
+    inputs = reward_inputs(held_examples, 1, ["p"] * 6, completions, [[1]] * 6)
+    held = step_metrics.eval_metrics(RewardSet([("format", 0.0)]), inputs, [False] * 6)
     records = eval_metrics.score_samples(completions, [ex["answer"] for ex in examples], g)
     summary = eval_metrics.summarize(records, g)
     for key, value in expected.items():

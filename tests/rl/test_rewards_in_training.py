@@ -8,14 +8,16 @@ import dataclasses
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import numpy as np
 import pytest
 from learner_helpers import make_learner, run_steps, text_reward
 
+from jaxgrpo.build import build_rewards
 from jaxgrpo.logging import ProgressBar
-from jaxgrpo.rewards import RewardError, RewardSet, get_reward
+from jaxgrpo.rewards import RewardError, get_reward
 
 CALLS: list[dict] = []
 
@@ -36,6 +38,26 @@ def every_other(prompts, completions, **kwargs):
     return [None if i % 2 else float(len(c)) for i, c in enumerate(completions)]
 
 
+def sleeps_forever(prompts, completions, **kwargs):
+    time.sleep(1e9)
+
+
+def spins(prompts, completions, **kwargs):
+    """Pure Python that never returns and swallows ordinary exceptions."""
+    n = 0
+    while True:
+        try:
+            n += 1
+        except Exception:
+            pass
+
+
+def allocates_without_end(prompts, completions, **kwargs):
+    hoard = []
+    while True:
+        hoard.append(b"x" * (16 << 20))  # written, so resident
+
+
 @pytest.fixture(scope="module")
 def tiny():
     """One learner for the module (compiled once): 32 new tokens, and a row stops when a token
@@ -46,10 +68,12 @@ def tiny():
 
 
 def learner_with(tiny, specs, **rewards_cfg):
-    """The module's learner scoring with `specs` and `rewards.<key>` = value overrides."""
+    """The module's learner scoring with `specs` and `rewards.<key>` = value overrides, its
+    reward set built from them as `jaxgrpo.build.build_rewards` builds a run's."""
     learner, examples, cfg = tiny
-    learner.reward_set = RewardSet(specs)
-    learner.cfg = dataclasses.replace(cfg, rewards=dataclasses.replace(cfg.rewards, **rewards_cfg))
+    rewards = dataclasses.replace(cfg.rewards, functions=tuple(specs), **rewards_cfg)
+    learner.reward_set = build_rewards(rewards, None, None)
+    learner.cfg = dataclasses.replace(cfg, rewards=rewards)
     return learner, examples
 
 
@@ -104,6 +128,26 @@ def test_reward_failing_some_samples_keeps_training(tiny):
     )
     _, history = run_steps(learner, examples, 3)
     assert [m["reward/every_other/failed_frac"] for m in history] == [0.5] * 3
+
+
+@pytest.mark.parametrize("bad", [sleeps_forever, spins, allocates_without_end])
+def test_reward_past_its_limits_scores_none_and_the_run_goes_on(tiny, bad):
+    """A call past `rewards.timeout_s` (or, allocating, past `rewards.max_memory_gb`) is
+    stopped: its samples score None (failed_frac 1), the other reward still scores, the step
+    finishes within a few seconds of the limit, and the next step runs the function again."""
+    learner, examples = learner_with(
+        tiny, [(bad, 1.0), (text_reward, 1.0)], timeout_s=2.0, max_memory_gb=0.5
+    )
+    t0 = time.perf_counter()
+    _, history = run_steps(learner, examples, 2)
+    took = time.perf_counter() - t0
+    name = bad.__name__
+    assert [m[f"reward/{name}/failed_frac"] for m in history] == [1.0, 1.0]
+    assert all(m["reward/text_reward/failed_frac"] == 0.0 for m in history)
+    assert all(np.isfinite(m["reward/mean"]) for m in history)
+    assert learner.reward_set.error_counts[name] == 16, "8 samples in each of 2 steps"
+    limit = 2 * (2.0 + 1.5) + 60  # two limited calls, the watchdog's latency, the steps
+    assert took < limit, f"{took:.1f} s: the limit did not stop the call"
 
 
 def test_cli_reports_a_failing_reward_in_one_line(tmp_path, cli_env):
