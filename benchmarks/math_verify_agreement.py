@@ -11,9 +11,18 @@ math-verify's ``tests/test_all.py`` states them) is presented the way a policy w
 - ``math_verify column``: ``exact_answer`` with ``verifier = MATH_VERIFY`` (the math and
   jeebench tasks);
 - ``math-verify alone``: math-verify's own parse + verify on the whole presented completion,
-  with the configuration of its test helper.
+  with the configuration of its test helper (LaTeX and expression targets).
 
-Printed: agreement with the labels per group and overall, and the wrong answers each accepted.
+A case may carry ``"precision": N`` (the suite asserts it with ``float_rounding=N``; without it
+the suite's default, 6) and ``"set_relation": true`` (asserted with
+``allow_set_relation_comp=True``). The math-verify-alone scorer applies both, as the suite does.
+The two jaxgrpo scorers do not: a reward has one fixed configuration, so they score every case
+as training would, math-verify at its default ``float_rounding`` of 6 and without set-relation
+comparison. Their agreement on those cases measures what training rewards, not the suite's
+looser setting.
+
+Printed: agreement with the labels per group and overall (percent, then as a fraction of
+cases), and the wrong answers each accepted.
 """
 
 from __future__ import annotations
@@ -32,15 +41,26 @@ DEFAULT_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_v
 
 
 def read_cases(path: str) -> list[dict]:
-    """The cases of a JSONL file: ``{"group", "gold", "pred", "expected"}`` per line."""
+    """The cases of a JSONL file: ``{"group", "gold", "pred", "expected"}`` per line, with an
+    optional ``"precision"`` and ``"set_relation"``."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def math_verify_alone(gold: str, completion: str) -> bool:
-    """math-verify on the whole completion, configured as its test suite's ``compare_strings``."""
+def math_verify_alone(
+    gold: str, completion: str, precision: int = 6, set_relation: bool = False
+) -> bool:
+    """math-verify on the whole completion, configured as its test suite's ``compare_strings``:
+    ``precision`` is its ``float_rounding``, ``set_relation`` its ``allow_set_relation_comp``."""
     targets = [LatexExtractionConfig(boxed_match_priority=0), ExprExtractionConfig()]
-    return bool(verify(parse(gold, targets), parse(completion, targets)))
+    return bool(
+        verify(
+            parse(gold, targets),
+            parse(completion, targets),
+            float_rounding=precision,
+            allow_set_relation_comp=set_relation,
+        )
+    )
 
 
 def score(cases: list[dict]) -> dict[str, list[bool]]:
@@ -54,9 +74,16 @@ def score(cases: list[dict]) -> dict[str, list[bool]]:
         "fast path": [s == 1.0 for s in fast],
         "math_verify column": [s == 1.0 for s in verified],
         "math-verify alone": [
-            math_verify_alone(g, c) for g, c in zip(golds, completions, strict=True)
+            math_verify_alone(g, c, case.get("precision", 6), case.get("set_relation", False))
+            for g, c, case in zip(golds, completions, cases, strict=True)
         ],
     }
+
+
+def agreement(cases: list[dict], verdicts: list[bool]) -> float:
+    """The fraction of cases whose verdict equals the expected label."""
+    hits = sum(v == bool(c["expected"]) for c, v in zip(cases, verdicts, strict=True))
+    return hits / len(cases)
 
 
 def report(cases: list[dict], verdicts: dict[str, list[bool]]) -> str:
@@ -77,6 +104,12 @@ def report(cases: list[dict], verdicts: dict[str, list[bool]]) -> str:
     everything = list(range(len(cases)))
     total = " | ".join(agree(n, everything) for n in names)
     lines.append(f"| **all** | {len(cases)} | {total} |")
+
+    def hits(name):
+        return sum(verdicts[name][i] == bool(cases[i]["expected"]) for i in everything)
+
+    fractions = (f"{n} {hits(n)}/{len(cases)} = {agreement(cases, verdicts[n]):.3f}" for n in names)
+    lines.append("\nagreement: " + ", ".join(fractions))
     for name in names:
         wrong = [i for i in everything if verdicts[name][i] and not cases[i]["expected"]]
         lines.append(f"\n{name}: {len(wrong)} wrong answers accepted")

@@ -69,7 +69,7 @@ class MathTask(RowTask):
         answer = row.get("answer", required=False)
         if answer is None:
             answer = last_boxed(solution)
-            if answer is None:
+            if not answer:  # None, or an empty "\boxed{}" (two rows of MATH's train split)
                 raise row.fail("field 'solution' has no \\boxed{...} answer and no 'answer' field")
         return {
             "messages": self.messages(problem),

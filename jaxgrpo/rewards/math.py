@@ -9,8 +9,16 @@ equals the reference, else 0. Two comparisons, chosen per example by its ``verif
   different numbers ("3 or 4") parses to nothing and scores 0.
 * ``MATH_VERIFY`` (the ``math`` and ``jeebench`` tasks): Hugging Face's math-verify, the
   verifier behind TRL's ``accuracy_reward``, which compares LaTeX symbolically (sets,
-  intervals, matrices, equations, units). Two plain numbers still take the fast path. Every
+  intervals, matrices, equations, units). Plain prose around one number (``12 apples``)
+  counts as that number, and two plain numbers still compare exactly without sympy. Every
   math-verify call is time-bounded and any error scores 0.
+
+Both first drop notation that does not change a value: escaped dollar signs (currency in
+MATH's ``\\$18.90``), ``\\!`` spaces and digit-group separators (``32,\\!348``, ``1 000``).
+An answer tag holding a whole worked solution (over ``MATH_VERIFY_MAX_CHARS``) counts as the
+final answer it states: its last ``\\boxed{}`` (boxes side by side are one answer listing
+both), else its "final answer" sentence. With math-verify, a decimal written to 4 or 5 places
+for an exact reference (``0.3333`` for ``\\frac{1}{3}``) is compared at those places.
 """
 
 from __future__ import annotations
@@ -39,11 +47,42 @@ _DECORATION_RE = re.compile(
 _OPERATOR_RE = re.compile(r"[\^*\\{}=×÷]|(?<=\S)\s*\+")
 _CURRENCY = "$€£¥₹¢"
 _LATEX_DELIMITERS = ("$", "\\(", "\\[", "\\boxed")
-_PLAIN_NUMBER_RE = re.compile(r"^\$?\s*-?\d+(?:\.\d+)?\s*\$?$")
+_PLAIN_NUMBER_RE = re.compile(r"^\$?\s*-?(?:\d+(?:\.\d+)?|\.\d+)\s*\$?$")
+# An escaped dollar is a currency sign ("\$18.90"), not a math delimiter.
+_ESCAPED_DOLLAR_RE = re.compile(r"(?<!\\)\\\$")
+# Digit groups joined by a separator that only spaces them: "32,\!348", "1{,}000", "1\,000",
+# "1 000" (a bare comma is read by both checkers, and also separates lists: MATH's "1,3").
+_GROUP_SEPARATOR = r"(?:\s*(?:,\s*\\!|\{\s*,\s*\}|\\[,; ])\s*| )"
+_GROUPED_RE = re.compile(rf"(?<![\d.])\d{{1,3}}(?:{_GROUP_SEPARATOR}\d{{3}})+(?!\d)")
+_GROUP_SEPARATOR_RE = re.compile(_GROUP_SEPARATOR)
+# Plain-text answers: LaTeX, operators, brackets or a letter touching a digit ("3i", "2x") mean
+# an expression, not prose around a number.
+_NOT_PROSE_RE = re.compile(r"[\\$^*+=<>!()\[\]{}|×÷]|[a-zA-Z]\d|\d[a-zA-Z]")
+_WORD_RE = re.compile(r"[a-zA-Z]+")
+# Words that change the quantity a number states ("3 million", "3 pi", "at least 3", "3 or 4").
+_QUANTITY_WORDS = frozenset(
+    "zero one two three four five six seven eight nine ten eleven twelve twenty thirty forty "
+    "fifty sixty seventy eighty ninety hundred thousand million billion trillion dozen half "
+    "halves third thirds quarter quarters squared cubed power root sqrt pi infinity sin cos tan "
+    "log ln exp plus minus times over divided not than least most or".split()
+)
 # "$\sqrt{2}.$": sentence punctuation just inside the closing delimiter, which math-verify
 # would read as part of the expression.
 _INNER_PERIOD_RE = re.compile(r"\s*(?<!\.)[.,;]\s*(\$+|\\\]|\\\))\s*$")
 _FINAL_PERIOD_RE = re.compile(r"(?<!\.)\.\s*$")
+# What may separate boxes that state one answer together: spacing, commas, math delimiters,
+# "and" (``\boxed{-2} \quad \text{and} \quad \boxed{1}``).
+_BOX_JOINER_RE = re.compile(
+    r"(?:\s|[,;$]|\\q?quad|\\[,;: !]|\\[()\[\]]|\\text\s*\{\s*(?:and)?\s*\}|\band\b)*"
+)
+# A solution's own statement of its result ("Final Answer: The final answer is $x$.").
+_FINAL_ANSWER_RE = re.compile(r"final\s+answer", re.IGNORECASE)
+_COPULA_RE = re.compile(r"\b(?:is|are)\b")
+# A decimal's digits after the point ("0.3333" has 4).
+_DECIMAL_PLACES_RE = re.compile(r"(?<![\d.])\d*\.(\d+)(?![\d.])")
+# An answer written to fewer decimal places than math-verify's default comparison (6), but to
+# at least this many, is compared at the places it is written to (``approximation_places``).
+MIN_APPROXIMATION_PLACES = 4
 _DASHES = {"\u2212": "-", "\u2013": "-", "\u2014": "-", "\u2012": "-", "\ufe63": "-"}
 
 
@@ -62,23 +101,65 @@ def last_boxed(text: str) -> str | None:
     start = max(text.rfind("\\boxed"), text.rfind("\\fbox"))
     if start < 0:
         return None
-    brace = text.find("{", start)
+    box = _box_at(text, start)
+    return box[0] if box is not None else None
+
+
+def _box_at(text: str, start: int, stop: int | None = None) -> tuple[str, int] | None:
+    """The content of the box command at ``text[start]`` and the index after its closing brace,
+    or None when its braces do not close before ``stop`` (default: the end of ``text``)."""
+    stop = len(text) if stop is None else stop
+    brace = text.find("{", start, stop)
     if brace < 0:
         return None
     depth = 0
-    for i in range(brace, len(text)):
+    for i in range(brace, stop):
         depth += {"{": 1, "}": -1}.get(text[i], 0)
         if depth == 0:
-            return text[brace + 1 : i].strip()
+            return text[brace + 1 : i].strip(), i + 1
     return None
+
+
+def final_boxed(text: str) -> str | None:
+    """The last ``\\boxed{}`` of ``text`` with the boxes written side by side before it, joined
+    by commas (``\\boxed{1}\\boxed{2}``, ``\\boxed{-2} \\quad \\text{and} \\quad \\boxed{1}``:
+    one answer listing two values), or None without a box.
+
+    Boxes are side by side when only spacing, commas, math delimiters or the word "and" lie
+    between them; a sentence between them makes them separate statements. Joining stops
+    before the answer would grow past ``MATH_VERIFY_MAX_CHARS``.
+    """
+    contents: list[str] = []
+    length, stop = 0, len(text)
+    while True:
+        start = _last_box_start(text, stop)
+        box = _box_at(text, start, stop) if start >= 0 else None
+        if box is None:
+            break
+        if contents and (
+            length + len(box[0]) > MATH_VERIFY_MAX_CHARS
+            or not _BOX_JOINER_RE.fullmatch(text[box[1] : stop])
+        ):
+            break
+        contents.append(box[0])
+        length, stop = length + len(box[0]) + 2, start
+    return ", ".join(reversed(contents)) if contents else None
+
+
+def _last_box_start(text: str, stop: int) -> int:
+    """Where the last ``\\boxed`` or ``\\fbox`` before ``stop`` starts, or -1; searches only
+    back to the nearer of the two, so walking back box by box stays linear."""
+    boxed = text.rfind("\\boxed", 0, stop)
+    return max(boxed, text.rfind("\\fbox", max(boxed, 0), stop))
 
 
 def reference_answer(reference: str) -> str:
     """The final answer of a reference: after the last ``####`` (GSM8K), else the last
-    ``\\boxed{}`` (MATH solutions), else the whole string."""
+    ``\\boxed{}`` with any boxes side by side before it (MATH solutions, ``final_boxed``), else
+    the whole string."""
     if "####" in reference:
         return reference.rsplit("####", 1)[1].strip()
-    boxed = last_boxed(reference)
+    boxed = final_boxed(reference)
     return boxed if boxed is not None else reference.strip()
 
 
@@ -182,6 +263,100 @@ def answers_match(pred: str | None, ref: str) -> bool:
     return normalize_latex(pred) == normalize_latex(ref)
 
 
+def tidy_notation(text: str) -> str:
+    """``text`` without notation that does not change the value it states.
+
+    Removes escaped dollar signs (``\\$18.90``: a currency sign, which math-verify would take
+    for a math delimiter), ``\\!`` (a negative thin space) and the separators of digit groups
+    (``32,\\!348``, ``1{,}000``, ``1\\,000``, ``1 000``). A bare comma is kept: it may separate
+    the items of a list (``1,3``), and both checkers read ``1,000`` themselves.
+    """
+    text = _ESCAPED_DOLLAR_RE.sub("", text)
+    text = _GROUPED_RE.sub(lambda m: _GROUP_SEPARATOR_RE.sub("", m.group(0)), text)
+    return text.replace("\\!", "")
+
+
+def prose_number(text: str) -> str | None:
+    """The number a plain-text answer states among words (``12 apples``, ``It is 2/3.``).
+
+    None unless the text is words around exactly one number: no LaTeX, operators or brackets,
+    no letter touching a digit (``3i``), no one-letter word other than ``I`` (one letter may be
+    a variable or ``i``), and no word that changes the quantity (``3 million``, ``3 pi``, ``at
+    least 3``, ``3 or 4``).
+    """
+    text = _ascii_digits(text)
+    words = _WORD_RE.findall(text)
+    if not words or _NOT_PROSE_RE.search(text):
+        return None
+    if any((len(w) < 2 and w != "I") or w.lower() in _QUANTITY_WORDS for w in words):
+        return None
+    numbers = {m.group(0) for m in _NUMBER_RE.finditer(_THOUSANDS_RE.sub("", text))}
+    return numbers.pop() if len(numbers) == 1 else None
+
+
+def solution_answer(text: str) -> str | None:
+    """The final answer a whole worked solution states, or None when it states none.
+
+    Read as a reader finds it: the last ``\\boxed{}`` (with the boxes side by side before it,
+    ``final_boxed``); else the solution's own statement after its last "final answer" ("Final
+    Answer: The final answer is $x$. I hope it is correct." gives ``$x$``), up to the end of that
+    sentence and after its last "is"/"are" ("... the domain of $f(x)$ is 19." gives ``19``).
+    """
+    boxed = final_boxed(text)
+    if boxed is not None:
+        return boxed
+    said = list(_FINAL_ANSWER_RE.finditer(text))
+    if not said:
+        return None
+    statement = _first_sentence(text[said[-1].end() :])
+    if statement is None:
+        return None
+    statement = statement.lstrip(" \t\n:*")
+    copulas = list(_COPULA_RE.finditer(statement))
+    if copulas:
+        statement = statement[copulas[-1].end() :]
+    return statement.strip() or None
+
+
+def _first_sentence(text: str) -> str | None:
+    """``text`` up to its first sentence end: a period outside math (``$...$``, ``\\(...\\)``)
+    followed by a space or the end, or a blank line; a decimal point is no sentence end. None
+    when no sentence ends within ``MATH_VERIFY_MAX_CHARS``: that is no answer's statement."""
+    in_math = False
+    i = 0
+    end = min(len(text), MATH_VERIFY_MAX_CHARS)
+    while i < end:
+        ch, pair = text[i], text[i : i + 2]
+        if pair in ("\\$", "\\\\", "$$"):  # an escaped dollar, a line break, display math
+            in_math = not in_math if pair == "$$" else in_math
+            i += 2
+            continue
+        if ch == "$" or pair in ("\\(", "\\)", "\\[", "\\]"):
+            in_math = not in_math if ch == "$" else pair in ("\\(", "\\[")
+        elif not in_math and (
+            pair == "\n\n" or (ch == "." and text[i + 1 : i + 2] in ("", " ", "\n"))
+        ):
+            return text[:i]
+        i += 1
+    return text if len(text) <= MATH_VERIFY_MAX_CHARS else None
+
+
+def approximation_places(pred: str, ref: str) -> int | None:
+    """The decimal places ``pred`` is written to, when it approximates an exact ``ref``.
+
+    A decimal answer for an exact reference (a fraction, root, interval or matrix of them) is
+    right when it is the reference rounded to the places it is written to: ``0.3333`` for
+    ``\\frac{1}{3}``, ``(0.6, 2.6667]`` for ``(\\frac{3}{5}, \\frac{8}{3}]``. Returns those
+    places (the most precise decimal's) when they are at least ``MIN_APPROXIMATION_PLACES``
+    and fewer than math-verify's default 6, else None: a decimal reference is compared as
+    written, and ``0.33`` or ``3.14`` are too coarse to count.
+    """
+    if _DECIMAL_PLACES_RE.search(ref):
+        return None
+    places = max((len(m.group(1)) for m in _DECIMAL_PLACES_RE.finditer(pred)), default=0)
+    return places if MIN_APPROXIMATION_PLACES <= places < 6 else None
+
+
 # The ``verifier`` column value that selects math-verify (set by the math and jeebench tasks).
 MATH_VERIFY = "math_verify"
 # math-verify's own limit per parse and per comparison, in whole seconds (signal.alarm).
@@ -202,8 +377,9 @@ def _as_latex(text: str) -> str:
     return _INNER_PERIOD_RE.sub(r"\1", text.strip())
 
 
-def _math_verify_here(pred: str, ref: str, timeout_s: int) -> bool:
-    """math-verify in this thread, which must be the main one (its timeouts are signal.alarm)."""
+def _math_verify_here(pred: str, ref: str, timeout_s: int, places: int | None = None) -> bool:
+    """math-verify in this thread, which must be the main one (its timeouts are signal.alarm);
+    when the default comparison fails, again at ``places`` decimal places if given."""
     # Imported on first use: math-verify loads sympy and an ANTLR parser.
     from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
     from math_verify.errors import TimeoutException
@@ -212,7 +388,13 @@ def _math_verify_here(pred: str, ref: str, timeout_s: int) -> bool:
     try:
         gold = parse(_as_latex(ref), targets, parsing_timeout=timeout_s)
         answer = parse(_as_latex(pred), targets, parsing_timeout=timeout_s)
-        return bool(gold and answer and verify(gold, answer, timeout_seconds=timeout_s))
+        if not (gold and answer):
+            return False
+        if verify(gold, answer, timeout_seconds=timeout_s):
+            return True
+        return places is not None and bool(
+            verify(gold, answer, float_rounding=places, timeout_seconds=timeout_s)
+        )
     except (Exception, TimeoutException):
         return False
 
@@ -240,17 +422,20 @@ def _stop_worker() -> None:
 def math_verify_match(pred: str | None, ref: str, timeout_s: int = MATH_VERIFY_TIMEOUT_S) -> bool:
     """Whether math-verify finds ``pred`` equal to ``ref`` (both LaTeX or plain text).
 
-    Bounded: each parse and the comparison stop after ``timeout_s`` seconds (math-verify's own
-    signal-based limit). Called from any thread but the main one, where signals cannot be
-    used, the comparison runs in a worker process and is abandoned (the worker killed) after
-    ``_WORKER_LIMIT_S``. A timeout, a parse failure or any other error is a mismatch.
+    A decimal answer approximating an exact reference is compared at the places it is written
+    to (``approximation_places``) when the default comparison fails. Bounded: each parse and
+    comparison stops after ``timeout_s`` seconds (math-verify's own signal-based limit).
+    Called from any thread but the main one, where signals cannot be used, the comparison runs
+    in a worker process and is abandoned (the worker killed) after ``_WORKER_LIMIT_S``. A
+    timeout, a parse failure or any other error is a mismatch.
     """
     if pred is None or not pred.strip() or len(pred) > MATH_VERIFY_MAX_CHARS:
         return False
+    places = approximation_places(pred, ref)
     if threading.current_thread() is threading.main_thread():
-        return _math_verify_here(pred, ref, timeout_s)
+        return _math_verify_here(pred, ref, timeout_s, places)
     with _worker_lock:
-        future = _math_verify_worker().submit(_math_verify_here, pred, ref, timeout_s)
+        future = _math_verify_worker().submit(_math_verify_here, pred, ref, timeout_s, places)
         try:
             return bool(future.result(timeout=_WORKER_LIMIT_S))
         except Exception:
@@ -261,14 +446,24 @@ def math_verify_match(pred: str | None, ref: str, timeout_s: int = MATH_VERIFY_T
 def verify_answer(pred: str | None, ref: str, verifier: str | None = None) -> bool:
     """Whether a predicted answer string equals the reference answer, by ``verifier``.
 
-    ``None`` (or any other value): the fast path, ``answers_match``. ``MATH_VERIFY``: two plain
-    numbers (``42``, ``-0.5``) compare exactly without sympy, anything else (LaTeX, numbers
-    with units, separators or words around them) through ``math_verify_match``.
+    An answer longer than ``MATH_VERIFY_MAX_CHARS`` is a whole worked solution written inside
+    the tag, and counts as the final answer it states (``solution_answer``: its last
+    ``\\boxed{}``, else its "final answer" sentence); one that states none scores 0. Both sides
+    are then cleared of notation that does not change the value (``tidy_notation``). ``None``
+    (or any other value): the fast path, ``answers_match``.
+    ``MATH_VERIFY``: a plain-text answer stating one number among words counts as that number
+    (``prose_number``); two plain numbers (``42``, ``-0.5``, ``18.90``) then compare exactly
+    without sympy, anything else (LaTeX, numbers with units or separators) through
+    ``math_verify_match``.
     """
-    if verifier != MATH_VERIFY:
-        return answers_match(pred, ref)
+    if pred is not None and len(pred) > MATH_VERIFY_MAX_CHARS:
+        pred = solution_answer(pred)
     if pred is None or not pred.strip():
         return False
+    pred, ref = tidy_notation(pred), tidy_notation(ref)
+    if verifier != MATH_VERIFY:
+        return answers_match(pred, ref)
+    pred, ref = prose_number(pred) or pred, prose_number(ref) or ref
     if _PLAIN_NUMBER_RE.match(pred.strip()) and _PLAIN_NUMBER_RE.match(ref.strip()):
         return parse_number(pred) == parse_number(ref)
     return math_verify_match(pred, ref)
