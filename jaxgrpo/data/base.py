@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar, Protocol
@@ -30,6 +31,8 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from jaxgrpo.errors import UserError, require
+
+_LOG = logging.getLogger(__name__)
 
 Example = dict[str, Any]
 Message = dict[str, str]
@@ -256,6 +259,9 @@ class RowTask:
       template / system_prompt: see ``build_messages``.
       num_train / num_eval: keep at most this many train / eval examples (None: all). The eval
         cap takes the first rows of the eval set, so it is the same set on every run.
+      skip_malformed: drop malformed rows, with one warning per file naming how many and the
+        first (e.g. MATH's train split has two empty ``\boxed{}`` answers); False: the first
+        malformed row stops the load with its location.
     """
 
     source: str | None = None
@@ -268,6 +274,7 @@ class RowTask:
     system_prompt: str | None = None
     num_train: int | None = None
     num_eval: int | None = None
+    skip_malformed: bool = False
 
     name: ClassVar[str] = "rows"
     columns: ClassVar[tuple[str, ...]] = ()
@@ -286,7 +293,20 @@ class RowTask:
     def _load(self, source: str, split: str) -> list[Example]:
         source = resolve_fixture(source, self.fixture)
         rows = read_local(source) if is_local(source) else read_hub(source, split, self.hub_config)
-        return [self.to_example(r) for r in rows]
+        if not self.skip_malformed:
+            try:
+                return [self.to_example(r) for r in rows]
+            except MalformedRowError as error:
+                raise MalformedRowError(f"{error} (skip_malformed=True drops such rows)") from None
+        examples, bad = [], []
+        for row in rows:
+            try:
+                examples.append(self.to_example(row))
+            except MalformedRowError as error:
+                bad.append(error)
+        if bad:
+            _LOG.warning("skipped %d malformed rows of %s, the first: %s", len(bad), source, bad[0])
+        return examples
 
     def _splits(self) -> tuple[list[Example], list[Example]]:
         cached = getattr(self, "_cache", None)

@@ -27,7 +27,7 @@ class OfflineFile:
 FILES = {
     "gsm8k_train": OfflineFile("gsm8k", "gsm8k/train.jsonl", 7473),
     "gsm8k_test": OfflineFile("gsm8k", "gsm8k/test.jsonl", 1319),
-    # Two rows have an empty \boxed{} answer, which the math task reports as malformed.
+    # Two rows have an empty \boxed{} answer: load it with skip_malformed=True.
     "math_train": OfflineFile("math", "math/train.jsonl", 7500),
     "math_test": OfflineFile("math", "math/test.jsonl", 5000),
     "math_500": OfflineFile("math", "math_oai/test.jsonl", 500),  # MATH-500

