@@ -45,6 +45,7 @@ from typing import Any
 
 import jax
 from etils import epath
+from tqdm.auto import tqdm
 
 from jaxgrpo import config as config_lib
 from jaxgrpo.build import (
@@ -115,7 +116,14 @@ def evaluate_examples(
     function could not score), the summary ``reward_mean`` and ``reward/<fn>/mean``.
     """
     messages = [ex["messages"] for ex in examples]
-    out = sample(model, tokenizer, messages, settings, mesh)
+    with tqdm(
+        total=len(messages),
+        desc="evaluate",
+        unit="prompt",
+        file=sys.stderr,
+        disable=jax.process_index() != 0,
+    ) as bar:
+        out = sample(model, tokenizer, messages, settings, mesh, progress=bar.update)
     records = metrics.score_samples(
         out["texts"],
         [ex.get("answer") for ex in examples],

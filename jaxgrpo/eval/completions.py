@@ -4,7 +4,7 @@ evaluation, for a model (``sample``) and for the learner's split state (``held_o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -58,6 +58,7 @@ def complete(
     batch_size: int,
     seed: int = 0,
     num_samples: int = 1,
+    progress: Callable[[int], None] | None = None,
     **knobs: Any,
 ) -> dict[str, list]:
     """Completions of every prompt, ``num_samples`` each, ``batch_size`` prompts per call.
@@ -73,6 +74,7 @@ def complete(
       batch_size: prompts per call.
       seed: batch i samples with ``fold_in(key(seed), i)``.
       num_samples: completions per prompt (G).
+      progress: called with the number of prompts each finished batch completed.
       **knobs: ``generate``'s other keyword arguments (``max_new_tokens``, ``temperature``...).
 
     Returns:
@@ -104,12 +106,16 @@ def complete(
         out["lengths"] += tmask.sum(-1).tolist()
         out["truncated"] += (stop == int(StopReason.LENGTH)).tolist()
         out["tokens"] += [t[m > 0].tolist() for t, m in zip(tokens, tmask, strict=True)]
+        if progress is not None:
+            progress(len(chunk))
     return out
 
 
-def sample(model, tokenizer, messages: list, settings: Settings, mesh, *, greedy=False) -> dict:
+def sample(
+    model, tokenizer, messages: list, settings: Settings, mesh, *, greedy=False, progress=None
+) -> dict:
     """``complete`` for a model with ``settings``' knobs; ``greedy``: one 4-token greedy reply
-    per prompt (the judge's).
+    per prompt (the judge's); ``progress`` as ``complete``'s.
 
     Returns:
       ``texts`` [B * n], ``lengths``, ``truncated`` and ``tokens``, grouped by prompt.
@@ -128,4 +134,5 @@ def sample(model, tokenizer, messages: list, settings: Settings, mesh, *, greedy
         max_new_tokens=4 if greedy else settings.max_new_tokens,
         temperature=0.0 if greedy else settings.temperature,
         top_p=1.0 if greedy else settings.top_p,
+        progress=progress,
     )
