@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.build import smollm2_path
 from jaxgrpo.models import load_model
 from jaxgrpo.models.init import random_model
+from jaxgrpo.run.build import smollm2_path
 
 
 def main():

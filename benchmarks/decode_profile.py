@@ -21,7 +21,7 @@ import re
 import tempfile
 import time
 
-from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
+from jaxgrpo.core.host import keep_freed_memory, use_cpu_xla_flags
 
 use_cpu_xla_flags()
 keep_freed_memory()
@@ -30,8 +30,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from jaxgrpo.build import smollm2_path  # noqa: E402
 from jaxgrpo.models import load_model  # noqa: E402
+from jaxgrpo.run.build import smollm2_path  # noqa: E402
 from jaxgrpo.sampling.generate import sampler_programs  # noqa: E402
 
 CHATS = [

@@ -21,9 +21,9 @@ import argparse
 import os
 import time
 
-from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
+from jaxgrpo.core.host import keep_freed_memory, use_cpu_xla_flags
 
-# Before torch or JAX start threads: the malloc settings the CLIs run with (jaxgrpo.runtime).
+# Before torch or JAX start threads: the malloc settings the CLIs run with (jaxgrpo.run.runtime).
 # They hold for the whole process, so transformers runs under them too.
 keep_freed_memory()
 
@@ -62,7 +62,7 @@ QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B-Instruct config.json
 
 def load_models(name: str):
     """(our model, HF torch model, tokenizer) holding the same float32 weights."""
-    from jaxgrpo.build import smollm2_path
+    from jaxgrpo.run.build import smollm2_path
 
     gguf = smollm2_path()
     if name == "smollm2":
@@ -183,7 +183,7 @@ def run_hf(hf, ids, mask, g: int, t: int, repeats: int, lengths: list[int]) -> d
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    use_cpu_xla_flags()  # the XLA:CPU flags the CLIs run with (jaxgrpo.runtime)
+    use_cpu_xla_flags()  # the XLA:CPU flags the CLIs run with (jaxgrpo.run.runtime)
     parser.add_argument("--model", default="smollm2", choices=["smollm2", "qwen2.5-0.5b"])
     parser.add_argument("--samples", type=int, default=8, help="G per prompt (4 prompts)")
     parser.add_argument("--new-tokens", type=int, default=128)

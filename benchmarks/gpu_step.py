@@ -3,9 +3,9 @@
 Issue 18's accelerator check: `gsm8k_hard`'s step (16 prompts x 8 samples, 512 new tokens,
 bfloat16, LoRA r16; the bundled GSM8K fixture prompts) with random weights of `--model`, on the
 local devices of `--preset`. It first compiles the step's programs through
-`jaxgrpo.compile.compile_config` (memory, FLOPs and the estimate per program, as the TPU grid
-reports them), then trains `--steps` measured steps after a compiling one and prints, per phase,
-the estimate beside the median measured seconds, the sampler's tokens per second, and the
+`jaxgrpo.planning.compile.compile_config` (memory, FLOPs and the estimate per program, as the
+TPU grid reports them), then trains `--steps` measured steps after a compiling one and prints,
+per phase, the estimate beside the median measured seconds, the sampler's tokens per second, and the
 step's MFU from the measured time. Random weights rarely stop early, so most rows decode all
 `max_new_tokens`, as the estimate assumes.
 
@@ -43,7 +43,7 @@ def overrides(args) -> dict:
 
 def estimate(args) -> dict:
     """The compile report's per-phase estimate (seconds, summed over calls) and step figures."""
-    from jaxgrpo.compile import TABLE_ONLY, compile_config
+    from jaxgrpo.planning.compile import TABLE_ONLY, compile_config
 
     rep = compile_config(args.config, args.preset, overrides(args), args.prompt_len, TABLE_ONLY)
     phases = {
@@ -59,9 +59,9 @@ def estimate(args) -> dict:
 
 def measure(args) -> dict:
     """Median seconds per phase over the measured steps, and sampled tokens per second."""
-    from jaxgrpo import config as config_lib
     from jaxgrpo.data import get_task
-    from jaxgrpo.train import build_parts
+    from jaxgrpo.run.train import build_parts
+    from jaxgrpo.settings import schema as config_lib
 
     cfg = config_lib.load_config(args.config, overrides(args))
     learner = build_parts(cfg)["learner"]
@@ -103,14 +103,14 @@ def main() -> None:
     if args.preset.startswith("cpu-"):
         import os
 
-        from jaxgrpo.platform import force_host_devices
+        from jaxgrpo.core.host import force_host_devices
 
         force_host_devices(int(args.preset[4:]))
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     est = estimate(args)
     got = measure(args)
     step_flops, devices = est["step"]["flops"], est["facts"]["devices"]
-    from jaxgrpo.compile import _preset
+    from jaxgrpo.planning.compile import _preset
 
     peak = _preset(args.preset).specs.bf16_flops * devices
     tuning = f"LoRA r{args.lora_rank}" if args.lora_rank else "full"

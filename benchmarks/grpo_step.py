@@ -76,9 +76,9 @@ class Workload:
 def export_model(name: str, out_dir: str) -> str:
     """`name` as a float32 Hugging Face directory (written once): the embedded SmolLM2 GGUF, or
     random weights of an architecture's shape with SmolLM2's tokenizer and chat template."""
-    from jaxgrpo.build import smollm2_path
     from jaxgrpo.models import load_model
     from jaxgrpo.models.export import export_hf
+    from jaxgrpo.run.build import smollm2_path
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -111,7 +111,7 @@ def reward_spec(task: str) -> tuple:
 def jaxgrpo_config(w: Workload, lora: bool, extra: dict | None = None):
     """The `TrainConfig` of jaxgrpo's side of workload `w` (also `update_profile.py`'s), with
     `extra` overrides on top."""
-    from jaxgrpo.config import load_config
+    from jaxgrpo.settings.schema import load_config
 
     name, kwargs = reward_spec(w.task)
     overrides = {
@@ -152,9 +152,9 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
     """Warm-up + `w.steps` learner steps: seconds, phase split and sampling tokens/s per step."""
     from jax import monitoring
 
-    from jaxgrpo.config import config_override
-    from jaxgrpo.platform import BACKEND_COMPILE_EVENT, keep_freed_memory, use_cpu_xla_flags
-    from jaxgrpo.train import build_parts
+    from jaxgrpo.core.host import BACKEND_COMPILE_EVENT, keep_freed_memory, use_cpu_xla_flags
+    from jaxgrpo.run.train import build_parts
+    from jaxgrpo.settings.schema import config_override
 
     use_cpu_xla_flags()
     keep_freed_memory()  # as jaxgrpo's CLIs run
@@ -354,8 +354,8 @@ SEPARATOR = "|---" * (HEADER.count(" | ") + 1) + "|"
 @functools.lru_cache
 def _mean_prompt_len(task: str, prompts: int) -> float:
     """Mean tokens of the workload's chat prompts (SmolLM2's tokenizer, as both models use)."""
-    from jaxgrpo.build import smollm2_path
     from jaxgrpo.models import load_model
+    from jaxgrpo.run.build import smollm2_path
 
     tokenizer = load_model(smollm2_path(), dtype="float32")[1]
     chats = [ex["messages"] for ex in examples(task, prompts)]
@@ -363,12 +363,12 @@ def _mean_prompt_len(task: str, prompts: int) -> float:
 
 
 def model_tflop(w: dict, lora: bool, run: dict) -> float:
-    """The model arithmetic of one of `run`'s steps, in TFLOP (`jaxgrpo.flops`): sampling
+    """The model arithmetic of one of `run`'s steps, in TFLOP (`jaxgrpo.planning.flops`): sampling
     (prefill and decode), one scoring pass and the update's forward and backward, without what
     remat recomputes; prompts of the workload's mean length, completions of the run's mean
     length. Both frameworks must do this work, whatever else they do."""
-    from jaxgrpo import flops, memory
     from jaxgrpo.models.config import LoRAConfig
+    from jaxgrpo.planning import flops, memory
 
     prompt_len = _mean_prompt_len(w["task"], w["prompts"])
     cfg = memory.model_config(w["model"], lora=LoRAConfig() if lora else None)

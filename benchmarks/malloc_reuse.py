@@ -1,6 +1,6 @@
 """Page faults of a reused 256 MiB buffer, with `keep_freed_memory` and with the system malloc.
 
-`jaxgrpo.platform.keep_freed_memory()` keeps glibc from unmapping freed large buffers, so the
+`jaxgrpo.core.host.keep_freed_memory()` keeps glibc from unmapping freed large buffers, so the
 next allocation of the same size reuses them instead of faulting every page in again (the
 cause is in benchmarks/README.md, session 6). This prints, for each setting, whether the
 settings applied and the minor page faults of the third malloc-write-free of a 256 MiB
@@ -22,7 +22,7 @@ import sys
 
 _PROBE = """
 import ctypes, resource, threading
-from jaxgrpo.platform import keep_freed_memory
+from jaxgrpo.core.host import keep_freed_memory
 
 applied = keep_freed_memory()
 libc = ctypes.CDLL(None)

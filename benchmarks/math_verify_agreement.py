@@ -35,7 +35,8 @@ import sys
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from jaxgrpo.rewards.math import MATH_VERIFY, exact_answer
+from jaxgrpo.grading.verify import MATH_VERIFY
+from jaxgrpo.rewards.math import exact_answer
 
 DEFAULT_CASES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "math_verify_cases.jsonl")
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
+from jaxgrpo.core.host import keep_freed_memory, use_cpu_xla_flags
 
 # (name, D in, N out) for SmolLM2-135M: hidden 576, 9 query heads and 3 kv heads of 64, mlp 1536.
 SHAPES = [

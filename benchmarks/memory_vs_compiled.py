@@ -14,8 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from jaxgrpo import config as config_lib
-from jaxgrpo import memory, presets
+from jaxgrpo.core import presets
+from jaxgrpo.planning import memory
+from jaxgrpo.settings import schema as config_lib
 
 GIB = 1024**3
 

@@ -66,8 +66,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps, the compiling one included")
     args = parser.parse_args()
 
-    from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
-    from jaxgrpo.train import build_parts
+    from jaxgrpo.core.host import keep_freed_memory, use_cpu_xla_flags
+    from jaxgrpo.run.train import build_parts
 
     use_cpu_xla_flags()
     keep_freed_memory()

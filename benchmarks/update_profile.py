@@ -120,10 +120,10 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=0, help="then trace and print the top N ops")
     args = parser.parse_args()
 
-    from jaxgrpo.config import config_override
-    from jaxgrpo.platform import keep_freed_memory, use_cpu_xla_flags
+    from jaxgrpo.core.host import keep_freed_memory, use_cpu_xla_flags
     from jaxgrpo.rl import step_metrics
-    from jaxgrpo.train import build_parts
+    from jaxgrpo.run.train import build_parts
+    from jaxgrpo.settings.schema import config_override
 
     use_cpu_xla_flags()
     keep_freed_memory()

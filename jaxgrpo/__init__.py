@@ -9,7 +9,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "load_model": ("jaxgrpo.models", "load_model"),
     "generate": ("jaxgrpo.sampling", "generate"),
-    "train": ("jaxgrpo.train", "run"),
+    "train": ("jaxgrpo.run.train", "run"),
 }
 
 

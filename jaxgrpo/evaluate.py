@@ -1,8 +1,8 @@
-"""``python -m jaxgrpo.evaluate``: the evaluation CLI, ``jaxgrpo.eval.cli``."""
+"""``python -m jaxgrpo.evaluate``: the entry point of ``jaxgrpo.run.evaluate``."""
 
 import sys
 
-from jaxgrpo.eval.cli import main
+from jaxgrpo.run.evaluate import main
 
 if __name__ == "__main__":
     sys.exit(main())

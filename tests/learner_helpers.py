@@ -22,14 +22,14 @@ import os
 import jax
 import numpy as np
 
-from jaxgrpo import sharding
-from jaxgrpo.config import load_config
+from jaxgrpo.core import sharding
+from jaxgrpo.core.sharding import to_host
 from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.sharding import to_host
+from jaxgrpo.settings.schema import load_config
 
 
 def text_reward(prompts, completions, **_):
@@ -40,7 +40,7 @@ def text_reward(prompts, completions, **_):
 def make_learner(mesh_shape: dict, devices=None, reward=text_reward, **overrides):
     """(learner, format_copy task) for tiny.py with beta 0.04 and `reward`, on a mesh of
     `devices`; `overrides` are config keys (`"rl.grad_accum": 2`). LoRA adapters as the config
-    says, none with `model.lora_rank=0` (as `jaxgrpo.train` builds the model); the layers
+    says, none with `model.lora_rank=0` (as `jaxgrpo.run.train` builds the model); the layers
     unrolled with `model.layer_loop="unroll"`."""
     base = {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1}
     cfg = load_config("tiny.py", {**base, **overrides})

@@ -7,7 +7,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxgrpo.checkpoint import Checkpointer, NonFiniteCheckpointError
+from jaxgrpo.rl.checkpoint import Checkpointer, NonFiniteCheckpointError
 
 
 def _state(seed: int, sharding=None):

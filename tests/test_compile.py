@@ -1,4 +1,4 @@
-"""Ahead-of-time compilation for TPU slices that are not here (``jaxgrpo.compile``).
+"""Ahead-of-time compilation for TPU slices that are not here (``jaxgrpo.planning.compile``).
 
 libtpu (the ``tpu`` extra) compiles for a TPU topology description on a CPU; the tests build
 the tiny config's step for a one-host v5e-8 and a four-host v5e-16 and read the reports: their
@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgrpo import aot, presets, sharding
-from jaxgrpo import compile as compile_cli
+from jaxgrpo.core import presets, sharding
 from jaxgrpo.models.tiny import tiny_model_config
 from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.planning import aot
+from jaxgrpo.planning import compile as compile_cli
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -161,7 +162,7 @@ def test_multi_host_parameter_shards_follow_the_rules(v5e16):
     preset = presets.get_preset("v5e-16")
     devices = aot.topology_devices(preset)
     mesh = sharding.make_mesh(preset.mesh, devices)
-    from jaxgrpo import config as config_lib
+    from jaxgrpo.settings import schema as config_lib
 
     cfg = config_lib.load_config("tiny", {"mesh.fsdp": 16, "rl.prompts_per_step": 4})
     learner = aot.abstract_learner(cfg, mesh, aot.model_config(cfg, "tpu"))
@@ -291,7 +292,7 @@ def test_every_gsm8k_config_validates_on_64_chip_slices(slice_name):
     """gsm8k_* configs share gsm8k_hard's model, batch and sampling shape, so gsm8k_hard's
     compile (``python -m jaxgrpo.compile --config gsm8k_hard --topology SLICE``) is theirs;
     each must pass the batch layout check on the preset mesh."""
-    from jaxgrpo import config as config_lib
+    from jaxgrpo.settings import schema as config_lib
 
     preset = presets.get_preset(slice_name)
     mesh = {f"mesh.{k}": v for k, v in preset.mesh.items()}

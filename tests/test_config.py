@@ -7,12 +7,12 @@ import re
 import pytest
 from ml_collections import ConfigDict
 
-from jaxgrpo import config as config_lib
-from jaxgrpo.build import build_model, unroll_layers
-from jaxgrpo.config import ConfigError, load_config, shipped_configs, to_train_config
 from jaxgrpo.configs import base
 from jaxgrpo.configs.base import JUDGE_PROMPT
 from jaxgrpo.rl.losses import LOSS_PRESETS
+from jaxgrpo.run.build import build_model, unroll_layers
+from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.schema import ConfigError, load_config, shipped_configs, to_train_config
 
 
 @pytest.mark.parametrize("name", shipped_configs())

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
-from jaxgrpo.checkpoint import Checkpointer
-from jaxgrpo.config import load_config
-from jaxgrpo.train import build_parts
+from jaxgrpo.rl.checkpoint import Checkpointer
+from jaxgrpo.run.train import build_parts
+from jaxgrpo.settings.schema import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")

@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgrpo import config as config_lib
-from jaxgrpo import sharding
-from jaxgrpo.build import build_model, build_task, restore_params
-from jaxgrpo.checkpoint import Checkpointer
 from jaxgrpo.configs.base import JUDGE_PROMPT
-from jaxgrpo.eval import cli
-from jaxgrpo.eval.judge import judge_says_yes, make_judge
+from jaxgrpo.core import sharding
 from jaxgrpo.rewards import RewardSet
+from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
+from jaxgrpo.run import evaluate as cli
+from jaxgrpo.run.build import build_model, build_task, restore_params
+from jaxgrpo.run.judge import judge_says_yes, make_judge
+from jaxgrpo.settings import schema as config_lib
 
 
 def settings_of(argv, run_dir=None):

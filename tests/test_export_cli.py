@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgrpo import config as config_lib
-from jaxgrpo import export, sharding, train
-from jaxgrpo.build import load_policy
-from jaxgrpo.checkpoint import Checkpointer
-from jaxgrpo.config import load_config, run_config
+from jaxgrpo.core import sharding
 from jaxgrpo.models import SafetensorsFiles
+from jaxgrpo.rl.checkpoint import Checkpointer
+from jaxgrpo.run import export, train
+from jaxgrpo.run.build import load_policy
+from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.schema import load_config, run_config
 
 # Checked before the module's run is trained, so a base install skips without training.
 needs_torch_peft = pytest.mark.skipif(

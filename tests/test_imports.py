@@ -110,3 +110,57 @@ def test_the_package_imports_have_no_cycle():
 
 def test_the_cycle_finder_finds_a_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The package's folders bottom-up (DESIGN.md, "Package layout"): each may import only what lies
+# below it, and the root's `python -m jaxgrpo.X` entry points sit above them all.
+LAYERS = (
+    ("core",),
+    ("grading", "configs"),
+    ("data", "models"),
+    ("sampling",),
+    ("rewards",),
+    ("eval",),
+    ("rl",),
+    ("settings",),
+    ("run", "planning"),
+    ("studies",),
+)
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph folded onto the package's folders and top-level modules (``jaxgrpo.rl``
+    for every module under rl/, ``jaxgrpo.train`` for the root's train.py)."""
+
+    def node(module: str) -> str:
+        return ".".join(module.split(".")[:2])
+
+    folded: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        here = node(module)
+        edges = folded.setdefault(here, set())
+        edges.update(node(t) for t in targets if node(t) not in (here, "jaxgrpo"))
+    return folded
+
+
+def test_the_folders_import_each_other_without_a_cycle():
+    folders = folder_graph(import_graph())
+    assert {"jaxgrpo.rl", "jaxgrpo.models", "jaxgrpo.run"} <= set(folders)
+    assert cycles(folders) == [], "folders that import each other in a ring"
+
+
+def test_each_folder_imports_only_what_lies_below_it():
+    """Every import between folders points down the layers, so each folder reads knowing only
+    what lies below it; the root holds only the entry points, which nothing imports."""
+    level = {f"jaxgrpo.{name}": i for i, names in enumerate(LAYERS) for name in names}
+    folders = folder_graph(import_graph())
+    entry_points = {f"jaxgrpo.{p.stem}" for p in ROOT.glob("*.py")} - {"jaxgrpo.__init__"}
+    assert set(folders) - {"jaxgrpo"} == set(level) | entry_points, "a folder missing from LAYERS"
+    wrong = [
+        f"{a} -> {b}"
+        for a, targets in folders.items()
+        if a in level
+        for b in targets
+        if b not in level or level[b] >= level[a]
+    ]
+    assert wrong == [], "imports that point up the layers (or at an entry point)"

@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from jaxgrpo import presets
+from jaxgrpo.core import presets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TPU_VM = os.path.join(ROOT, "launch", "tpu_vm.sh")
@@ -114,7 +114,7 @@ def test_preset_meshes_cover_their_devices(name):
 
 
 def test_preset_flags_validate_against_the_config():
-    from jaxgrpo import config as config_lib
+    from jaxgrpo.settings import schema as config_lib
 
     flags = presets.get_preset("v5litepod-8").flags()
     assert flags == ["--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.mesh.tensor=1"]

@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from jaxgrpo import memory
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.kv_cache import init_cache
 from jaxgrpo.models.transformer import Transformer
+from jaxgrpo.planning import memory
 
 TINY = dict(
     vocab_size=384,
@@ -58,8 +58,8 @@ def test_optimizer_state_bytes_equal_adamw_init(name):
     """AdamW moments over the trainable part; the estimate omits only the step counters
     (one int32 scalar per moment transform), so the difference is at most 16 bytes. Gradients
     and the reference's trainable part equal the real trees."""
-    from jaxgrpo.config import load_config
     from jaxgrpo.rl.train_state import make_optimizer
+    from jaxgrpo.settings.schema import load_config
 
     cfg = VARIANTS[name]
     trainable = nnx.state(abstract_model(cfg), nnx.LoRAParam if cfg.lora else nnx.Param)
@@ -94,7 +94,7 @@ def test_sharded_params_per_device_match_the_mesh_split():
     """fsdp=4 x tensor=2: the shard shapes TRAIN_RULES give each device vs an even split.
     Norm scales, qk-norms and LoRA's rank axis replicate, so a device holds more than 1/8:
     14% more at D=64 (less at real sizes, where matrices dominate). Tolerance: 0-20% more."""
-    from jaxgrpo import sharding
+    from jaxgrpo.core import sharding
 
     cfg = VARIANTS["qwen3_lora"]
     mesh_shape = {"data": 1, "fsdp": 4, "tensor": 2}
@@ -118,7 +118,7 @@ def test_activation_estimate_within_factor_of_xla(policy):
     magnitude figure. Measured ratios at these sizes: 0.75 (llama, 2 layers, remat), 0.61 (llama,
     no remat); here qwen3 LoRA with 8 layers: 1.09 (remat "full"), 1.14 ("projections").
     Tolerance: 0.4x to 2.5x."""
-    from jaxgrpo.rl.logprobs import shared_prefix_logprobs
+    from jaxgrpo.models.logprobs import shared_prefix_logprobs
 
     b, g, p, t = 2, 4, 32, 64
     cfg = VARIANTS["qwen3_lora"].replace(remat=True, remat_policy=policy, num_layers=8)
@@ -176,8 +176,8 @@ def test_cli_report_and_table(capsys):
 def test_fitting_grad_accum_is_what_the_config_check_accepts(preset):
     """gsm8k_hard (16 x 8 sequences, grad_accum 4) on each table slice: the estimator's
     grad_accum passes the config's mesh check and the next larger one (up to 4) fails it."""
-    from jaxgrpo import config as config_lib
-    from jaxgrpo.presets import PRESETS
+    from jaxgrpo.core.presets import PRESETS
+    from jaxgrpo.settings import schema as config_lib
 
     p = PRESETS[preset]
     cfg = config_lib.load_config("gsm8k_hard", {"rl.grad_accum": 4})

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from jaxgrpo import plot
+from jaxgrpo.run import plot
 
 
 def _run(path, rewards, with_kl):

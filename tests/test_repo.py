@@ -40,12 +40,12 @@ def test_quickstart_has_exactly_two_commands_and_ci_runs_both():
 
 def test_import_has_no_side_effects():
     code = (
-        "import sys, jaxgrpo, jaxgrpo.types; "
+        "import sys, jaxgrpo, jaxgrpo.core.shapes; "
         "print('jax.config' in sys.modules and "
         "sys.modules['jax'].config.jax_numpy_rank_promotion)"
     )
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stderr
-    # jaxgrpo.types imports jax but must leave its global configuration untouched.
+    # jaxgrpo.core.shapes imports jax but must leave its global configuration untouched.
     assert proc.stdout.strip() in ("False", "allow"), proc.stdout

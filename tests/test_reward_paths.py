@@ -12,11 +12,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxgrpo import config as config_lib
-from jaxgrpo import study as study_lib
-from jaxgrpo.build import build_rewards, build_task, load_policy
+from jaxgrpo.core.sharding import make_mesh
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.sharding import make_mesh
+from jaxgrpo.run import study as study_lib
+from jaxgrpo.run.build import build_rewards, build_task, load_policy
+from jaxgrpo.settings import schema as config_lib
 
 # Written as a TRL user writes a reward: positional TRL arguments, the rest in **kwargs. It
 # raises (AssertionError) on any argument it does not expect, and the configs below use

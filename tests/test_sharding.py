@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxgrpo import platform, sharding
+from jaxgrpo.core import host, sharding
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.init import random_model
 from jaxgrpo.models.kv_cache import init_cache
@@ -46,7 +46,8 @@ def test_sampling_layout_by_model_and_slice():
     with v5e-64's tensor=4), tensor-parallel over fsdp x tensor where only that split fits
     (Llama-3.1-8B on v5e-8: 16 GB of bfloat16 weights, 2 GB a chip), else the training
     layout; the tensor-parallel rules split heads over both axes and rows over data only."""
-    from jaxgrpo import flops, memory, presets
+    from jaxgrpo.core import presets
+    from jaxgrpo.planning import flops, memory
 
     def layout(model: str, slice_name: str) -> str:
         preset = presets.get_preset(slice_name)
@@ -145,4 +146,4 @@ def test_eight_devices_equal_one(mesh):
 def test_shard_act_without_ctx_and_single_process_init():
     x = jnp.ones((2, 3))
     assert sharding.shard_act(x, ("act_batch", "act_embed"), None) is x
-    assert platform.initialize_distributed() is False
+    assert host.initialize_distributed() is False

@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
-from jaxgrpo import study as study_lib
-from jaxgrpo.errors import UserError
+from jaxgrpo.core.errors import UserError
+from jaxgrpo.run import study as study_lib
 
 STUDY = """
-from jaxgrpo.study import Arm, Study
+from jaxgrpo.run.study import Arm, Study
 
 
 def get_study():

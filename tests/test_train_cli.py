@@ -12,15 +12,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxgrpo import build, sharding, train
-from jaxgrpo.checkpoint import Checkpointer
-from jaxgrpo.config import ConfigError, load_config
+from jaxgrpo.core import sharding
 from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import tiny_model_config, tiny_tokenizer
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.rewards import RewardSet
-from jaxgrpo.runtime import RunFiles
+from jaxgrpo.rl.checkpoint import Checkpointer
+from jaxgrpo.run import build, train
+from jaxgrpo.run.runtime import RunFiles
+from jaxgrpo.settings.schema import ConfigError, load_config
 
 
 def _cli(args, cwd):

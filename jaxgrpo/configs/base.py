@@ -1,7 +1,8 @@
 """Shared defaults: every field of a jaxgrpo run, with a one-line comment each.
 
 Other configs import this module, call ``get_config()`` and override fields. The schema (which
-keys exist and their types) is this file: ``jaxgrpo.config.validate`` rejects anything else.
+keys exist and their types) is this file: ``jaxgrpo.settings.schema.validate`` rejects anything
+else.
 """
 
 from ml_collections import ConfigDict
@@ -23,7 +24,8 @@ def _model() -> ConfigDict:
     # its activations (the update's largest buffers), for one more forward pass of FLOPs
     # what remat keeps besides each block's input: "full" nothing; "projections" the outputs of
     # its projections, so none is recomputed (a faster update for more memory: two to three
-    # times a LoRA run's memory per device at gsm8k_hard's sizes; `jaxgrpo.memory` says what fits)
+    # times a LoRA run's memory per device at gsm8k_hard's sizes; `jaxgrpo.planning.memory` says
+    # what fits)
     c.remat_policy = "full"
     # "scan", "unroll" or "auto" (unroll for full fine-tuning on CPU without remat)
     c.layer_loop = "auto"

@@ -30,7 +30,7 @@ from typing import Any, ClassVar, Protocol
 
 import numpy as np
 
-from jaxgrpo.errors import UserError, require
+from jaxgrpo.core.errors import UserError, require
 
 _LOG = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import dataclasses
 from typing import ClassVar
 
 from jaxgrpo.data.base import Example, Row, RowTask, require_str
-from jaxgrpo.rewards.math import MATH_VERIFY
+from jaxgrpo.grading.verify import MATH_VERIFY
 
 ANSWER_HINTS = {
     "MCQ": "Exactly one option is correct; answer with its letter.",

@@ -3,13 +3,14 @@
 Schemas read (hub or local jsonl/json/parquet):
 
 - MATH (e.g. EleutherAI/hendrycks_math, one config per subject): ``problem``, ``solution``
-  (LaTeX, final answer in the last ``\\boxed{...}``), ``level``, ``type``.
+  (LaTeX, final answer in the last ``\\boxed{...}``, with any boxes written side by side
+  before it: ``grading.answers.final_boxed``), ``level``, ``type``.
 - MATH-500 (HuggingFaceH4/MATH-500, the default; one ``test`` split, so train/eval are split by
   content hash): the same plus an ``answer`` column, which wins over the boxed extraction.
 
 Examples carry ``answer`` (the LaTeX answer string, not normalised: the math reward compares
 both sides), ``reference`` (the full solution) and ``verifier`` = ``MATH_VERIFY``, so rewards and
-accuracy compare answers with math-verify (``jaxgrpo.rewards.math.verify_answer``).
+accuracy compare answers with math-verify (``jaxgrpo.grading.verify.verify_answer``).
 """
 
 from __future__ import annotations
@@ -18,33 +19,8 @@ import dataclasses
 from typing import ClassVar
 
 from jaxgrpo.data.base import Example, Row, RowTask, require_str
-from jaxgrpo.rewards.math import MATH_VERIFY
-
-_BOX_COMMANDS = ("\\boxed", "\\fbox")
-
-
-def last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (or ``\\fbox{...}``, ``\\boxed 5``) in ``text``.
-
-    Braces are matched with a depth counter, so nested groups such as ``\\boxed{\\frac{1}{2}}``
-    come back whole. Returns None when there is no complete box.
-    """
-    start = max(text.rfind(c) for c in _BOX_COMMANDS)
-    if start < 0:
-        return None
-    rest = text[start:]
-    rest = rest[len("\\boxed") :] if rest.startswith("\\boxed") else rest[len("\\fbox") :]
-    if rest.startswith(" "):  # "\boxed 5": the argument is the next token.
-        token = rest.strip().split()
-        return token[0].rstrip("$.") if token else None
-    if not rest.startswith("{"):
-        return None
-    depth = 0
-    for i, ch in enumerate(rest):
-        depth += (ch == "{") - (ch == "}")
-        if depth == 0:
-            return rest[1:i].strip()
-    return None
+from jaxgrpo.grading.answers import final_boxed
+from jaxgrpo.grading.verify import MATH_VERIFY
 
 
 @dataclasses.dataclass
@@ -68,7 +44,7 @@ class MathTask(RowTask):
         solution = require_str(row, row.get("solution"), "solution")
         answer = row.get("answer", required=False)
         if answer is None:
-            answer = last_boxed(solution)
+            answer = final_boxed(solution)
             if not answer:  # None, or an empty "\boxed{}" (two rows of MATH's train split)
                 raise row.fail("field 'solution' has no \\boxed{...} answer and no 'answer' field")
         return {

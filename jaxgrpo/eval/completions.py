@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 from flax import nnx
 
-from jaxgrpo import sharding
-from jaxgrpo.config import EvalConfig
+from jaxgrpo.core import sharding
 from jaxgrpo.sampling import StopReason, generate_from_state
+
+if TYPE_CHECKING:  # the config's type only: settings lie above the evaluation loop
+    from jaxgrpo.settings.schema import EvalConfig
 
 
 @dataclasses.dataclass(frozen=True)

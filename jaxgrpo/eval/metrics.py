@@ -6,7 +6,7 @@ Everything here is a function of strings and numbers (no model, no JAX), so the 
 Definitions (one prompt has ``n`` sampled completions; figures average over all samples unless
 they say otherwise):
 
-* strict / lenient / format: ``jaxgrpo.eval.accuracy`` (the one definition, shared with the
+* strict / lenient / format: ``jaxgrpo.grading.accuracy`` (the one definition, shared with the
   training metrics), reported as ``strict_accuracy``, ``lenient_accuracy`` and ``format_rate``.
 * pass@k: the unbiased estimator of Chen et al. (2021), ``1 - C(n-c, k) / C(n, k)`` for ``c``
   strictly correct samples out of ``n``, averaged over prompts; mean@n is ``c / n`` averaged
@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
-from jaxgrpo.eval.accuracy import FORMAT, LENIENT, STRICT, is_formatted, is_lenient, is_strict
-from jaxgrpo.rewards.math import extract_answer
+from jaxgrpo.grading.accuracy import FORMAT, LENIENT, STRICT, is_formatted, is_lenient, is_strict
+from jaxgrpo.grading.answers import extract_answer
 
 # A tail of >= _LOOP_REPEATS copies of one block of <= _LOOP_MAX_N tokens is a doom loop.
 _LOOP_MAX_N = 8

@@ -4,15 +4,16 @@
     model, tokenizer = load_model("path/to/hf_dir" | "org/name" | "model.gguf")
     logits_BTV = model(ids_BP, attention_mask=mask_BP)
 
-``load_model("random:Qwen2.5-1.5B")`` builds random weights of a ``jaxgrpo.presets.ARCHITECTURES``
-shape instead (benchmarks, compile checks, GPU runs with no download). Its tokenizer is the
+``load_model("random:Qwen2.5-1.5B")`` builds random weights of a
+``jaxgrpo.core.presets.ARCHITECTURES`` shape instead (benchmarks, compile checks, GPU runs with
+no download). Its tokenizer is the
 tiny byte-level BPE of ``jaxgrpo.models.tiny`` (384 ids, ChatML template), whose ids fit any of
 those vocabularies: prompts tokenize as they would for the tiny model, so lengths and costs are
 those of the real model only up to the tokenizer's compression.
 
 ``load_model`` reads the architecture from ``config.json`` (or GGUF metadata), builds a
-``Transformer`` (sharded at creation when a mesh is given, see ``jaxgrpo.sharding``), then fills
-it tensor family by tensor family (``weights.load_hf_tensors``), so a load holds the placed
+``Transformer`` (sharded at creation when a mesh is given, see ``jaxgrpo.core.sharding``), then
+fills it tensor family by tensor family (``weights.load_hf_tensors``), so a load holds the placed
 weights and one family being assembled, never a second copy of the checkpoint.
 """
 
@@ -31,7 +32,7 @@ import ml_dtypes  # a jax dependency; numpy itself has no bfloat16
 import numpy as np
 from flax import nnx
 
-from jaxgrpo import presets
+from jaxgrpo.core import presets
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.gguf import GGUFCheckpoint
 from jaxgrpo.models.init import empty_model, random_model
@@ -243,7 +244,7 @@ def load_model(
         is unchanged until trained.
       mesh: a ``jax.sharding.Mesh``: parameters are created sharded by ``rules`` and each tensor
         family is put straight into its sharding. None: one device.
-      rules: logical axis rules (default ``jaxgrpo.sharding.TRAIN_RULES``).
+      rules: logical axis rules (default ``jaxgrpo.core.sharding.TRAIN_RULES``).
       param_dtype: storage dtype of the weights when it differs from ``dtype``.
       tokenizer: override the checkpoint's tokenizer (a ``Tokenizer``, directory or .gguf).
       remat: recompute each block in the backward pass.

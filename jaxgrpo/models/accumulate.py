@@ -24,7 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo.types import PyTree
+from jaxgrpo.core.shapes import PyTree
 
 
 @jax.custom_vjp

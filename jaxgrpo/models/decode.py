@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxgrpo import sharding
+from jaxgrpo.core import sharding
+from jaxgrpo.core.shapes import Array
+from jaxgrpo.core.sharding import ShardingCtx
 from jaxgrpo.models.layers import attend, decoder_layer, rms_norm
-from jaxgrpo.sharding import ShardingCtx
-from jaxgrpo.types import Array
 
 
 @flax.struct.dataclass

@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxgrpo.core.shapes import Array
 from jaxgrpo.models.tokenizer import bucket_length
-from jaxgrpo.types import Array
 
 
 @dataclasses.dataclass(frozen=True)

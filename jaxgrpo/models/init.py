@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxgrpo import sharding
+from jaxgrpo.core import sharding
 from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.lora import LoRA
 from jaxgrpo.models.transformer import Transformer

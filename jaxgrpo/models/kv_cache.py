@@ -15,9 +15,9 @@ from __future__ import annotations
 import flax.struct
 import jax.numpy as jnp
 
+from jaxgrpo.core.shapes import Array
+from jaxgrpo.core.sharding import ShardingCtx, shard_act
 from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.sharding import ShardingCtx, shard_act
-from jaxgrpo.types import Array
 
 CACHE_AXES = ("layers", "act_batch", "act_kv_length", "act_kv_heads", "act_head_dim")
 _KEYS = ("act_batch", "act_kv_heads", "act_head_dim", "act_kv_length")  # [B, K, H, S]

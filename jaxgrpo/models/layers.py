@@ -1,7 +1,7 @@
 """Building blocks of the decoder: projections with logical axes, RMSNorm, RoPE, attention.
 
 Every parameter is an `nnx.Param` whose `logical_axes` metadata names each dimension from the
-vocabulary in `jaxgrpo.sharding` (embed, heads, kv_heads, head_dim, mlp, vocab, layers,
+vocabulary in `jaxgrpo.core.sharding` (embed, heads, kv_heads, head_dim, mlp, vocab, layers,
 lora_rank). We keep our own metadata key rather than flax's `out_sharding`: flax shards such
 variables eagerly against a global mesh, and jaxgrpo passes its mesh explicitly instead.
 
@@ -23,11 +23,11 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from jaxgrpo.core.host import backend
+from jaxgrpo.core.shapes import Array
+from jaxgrpo.core.sharding import ShardingCtx, shard_act
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.lora import LoRA
-from jaxgrpo.platform import backend
-from jaxgrpo.sharding import ShardingCtx, shard_act
-from jaxgrpo.types import Array
 
 # Finite instead of -inf so a query row with no visible key (a left-pad position) gives uniform
 # attention (finite garbage) rather than NaN, which would poison gradients through the mask.

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.models.config import LoRAConfig
-from jaxgrpo.types import Array, PyTree
 
 
 class LoRA(nnx.Module):

@@ -106,7 +106,7 @@ def tiny_model(
         seed: parameter seed.
         dtype: "float32" or "bfloat16" (compute and storage).
         mesh: optional mesh; parameters are then created sharded by `rules`.
-        rules: logical-axis rules (default `jaxgrpo.sharding.TRAIN_RULES`).
+        rules: logical-axis rules (default `jaxgrpo.core.sharding.TRAIN_RULES`).
         unroll_layers: unroll the layer scan (`ModelConfig.unroll_layers`).
         remat / remat_policy: as `ModelConfig`'s.
 

@@ -24,6 +24,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.core.host import backend
+from jaxgrpo.core.shapes import Array
+from jaxgrpo.core.sharding import ShardingCtx, shard_act
 from jaxgrpo.models.accumulate import scan_adding_gradients
 from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.decode import (
@@ -47,9 +50,6 @@ from jaxgrpo.models.layers import (
 )
 from jaxgrpo.models.lora import LoRA
 from jaxgrpo.models.lora import merge as merge_lora
-from jaxgrpo.platform import backend
-from jaxgrpo.sharding import ShardingCtx, shard_act
-from jaxgrpo.types import Array
 
 # remat_policy="projections": the layer's named projection outputs stay for the backward pass.
 _KEEP_PROJECTIONS = jax.checkpoint_policies.save_only_these_names(*PROJECTION_OUTPUTS)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sacrebleu
 
+from jaxgrpo.grading.answers import completion_text
 from jaxgrpo.rewards.embedding import reasoning_text
-from jaxgrpo.rewards.math import completion_text
 
 
 def bleu(prompts: list[str], completions: list[str], *, reference: list, **_) -> list[float | None]:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxgrpo.errors import UserError
+from jaxgrpo.core.errors import UserError
 from jaxgrpo.rewards.inputs import RewardInputs
 from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded
 from jaxgrpo.rewards.registry import get_reward, reward_name

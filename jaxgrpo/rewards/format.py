@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import re
 
-from jaxgrpo.rewards.math import completion_text
+from jaxgrpo.grading.answers import completion_text, single_answer
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
 _PAIR_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -23,15 +23,6 @@ def repeated_close_penalty(text: str, tags: tuple[str, ...] = (_CLOSE,)) -> floa
     """``min(0.5, 0.1 * extra)`` where ``extra`` counts closing tags beyond the first per tag."""
     extra = sum(max(0, text.count(tag) - 1) for tag in tags)
     return min(_MAX_EXTRA_CLOSE_COST, _EXTRA_CLOSE_COST * extra)
-
-
-def single_answer(text: str) -> str | None:
-    """Content of the only ``<answer>`` pair when exactly one open and one close tag appear in
-    that order (so no nesting, no repeats); None otherwise."""
-    if text.count(_OPEN) != 1 or text.count(_CLOSE) != 1:
-        return None
-    match = _PAIR_RE.search(text)
-    return match.group(1) if match else None
 
 
 def _strict_score(text: str) -> float:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from jaxgrpo.rewards.math import completion_text
+from jaxgrpo.grading.answers import completion_text
 
 
 def _token_lengths(n: int, completion_ids, completion_lengths) -> list[int]:

@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from jaxgrpo.platform import release_freed_memory
+from jaxgrpo.core.host import release_freed_memory
 
 # The signal the watchdog interrupts the main thread with; its handler is installed only for
 # the duration of a bounded call and the previous one restored after.

@@ -27,7 +27,7 @@ Details we fixed where the seed study is silent:
 
 The texts that follow one prompt (a group's G completions and its reference) share one pass
 over ``p || "<reasoning>"`` and are packed end to end in one row that attends it
-(``jaxgrpo.rl.logprobs.packed_logprobs``, the learner's scoring): the prompt, usually most of
+(``jaxgrpo.models.logprobs.packed_logprobs``, the learner's scoring): the prompt, usually most of
 the tokens, runs once per group instead of once per text. Shapes are padded to buckets (groups,
 texts per group, prompt and text lengths), and the log-probs come in chunks along T, so a full
 ``[B, T, V]`` float32 array never exists.
@@ -43,10 +43,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxgrpo.models.logprobs import packed_logprobs
+from jaxgrpo.models.packing import Packing, pack
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.rewards.embedding import reasoning_text
-from jaxgrpo.rl.logprobs import packed_logprobs
-from jaxgrpo.rl.packing import Packing, pack
 
 SEPARATOR = "<reasoning>"
 

@@ -19,7 +19,7 @@ import re
 
 import pronouncing
 
-from jaxgrpo.rewards.math import completion_text
+from jaxgrpo.grading.answers import completion_text
 
 RHYME_PAIRS = ((0, 2), (1, 3), (4, 6), (5, 7), (8, 10), (9, 11), (12, 13))
 IAMBIC = "0101010101"  # stress per syllable position of a pentameter line (1 = strong)

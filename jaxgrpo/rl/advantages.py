@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jaxgrpo.types import Array
+from jaxgrpo.core.shapes import Array
 
 SCALES = ("group", "batch", "none")
 BASELINES = ("mean", "rloo")

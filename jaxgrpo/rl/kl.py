@@ -22,7 +22,7 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo.types import Array
+from jaxgrpo.core.shapes import Array
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 

@@ -30,18 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxgrpo import sharding
-from jaxgrpo.config_checks import check_batch_layout
-from jaxgrpo.eval import held_out
-from jaxgrpo.logging import warn_once
+from jaxgrpo.core import sharding
+from jaxgrpo.core.host import release_freed_memory
+from jaxgrpo.models import packing as packing_lib
+from jaxgrpo.models.logprobs import make_logprobs_fn
 from jaxgrpo.models.lora import zero_lora
-from jaxgrpo.platform import release_freed_memory
-from jaxgrpo.rl import packing as packing_lib
+from jaxgrpo.rl import held_out, step_metrics
 from jaxgrpo.rl import rollout as ro
-from jaxgrpo.rl import step_metrics
+from jaxgrpo.rl.batch_layout import check_batch_layout
 from jaxgrpo.rl.kl import kl_penalized_rewards
-from jaxgrpo.rl.logprobs import make_logprobs_fn
 from jaxgrpo.rl.objective import ObjectiveSpec, make_loss_fn
+from jaxgrpo.rl.run_log import warn_once
 from jaxgrpo.rl.train_state import (
     TrainState,
     make_optimizer,
@@ -67,7 +66,8 @@ class Learner:
         model: the policy `Transformer` (with LoRA adapters when `cfg.model.lora_rank > 0`),
             its parameters already placed on `mesh`; or an abstract one (`nnx.eval_shape`),
             whose parameters become sharded `jax.ShapeDtypeStruct`s: the programs are then
-            built as for a run and can be lowered and compiled (`jaxgrpo.compile`), but not run.
+            built as for a run and can be lowered and compiled (`jaxgrpo.planning.compile`),
+            but not run.
         tokenizer: `jaxgrpo.models.tokenizer.Tokenizer` with a chat template.
         task: the task (its name selects the accuracy rule).
         reward_set: `jaxgrpo.rewards.RewardSet`.

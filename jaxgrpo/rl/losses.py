@@ -51,8 +51,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxgrpo.core.shapes import Array
 from jaxgrpo.rl.kl import kl_estimate, warn_if_k1_in_loss
-from jaxgrpo.types import Array
 
 SURROGATES = ("clip", "reinforce")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant")

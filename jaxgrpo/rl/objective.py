@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.models.accumulate import add_into_gradient
-from jaxgrpo.rl.logprobs import shared_prefix_logprobs
+from jaxgrpo.models.logprobs import shared_prefix_logprobs
 from jaxgrpo.rl.losses import loss_normalizers, policy_loss, truncated_is_weights
 from jaxgrpo.rl.rollout import RolloutBatch
-from jaxgrpo.types import Array, PyTree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,11 @@ from typing import Any
 import flax.struct
 import numpy as np
 
-from jaxgrpo.eval import accuracy
+from jaxgrpo.core.shapes import Array
+from jaxgrpo.grading import accuracy
+from jaxgrpo.models.packing import Packing
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.rewards.inputs import columns_for, reward_inputs
-from jaxgrpo.rl.packing import Packing
-from jaxgrpo.types import Array
 
 
 class ShapeBuckets:

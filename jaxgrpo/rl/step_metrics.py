@@ -6,7 +6,7 @@ Key names (the logger's progress bar and dead-run check read the first group):
     time/{sampling,rewards,reference,update}   seconds per phase (reference: the scoring passes)
     reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
     reward/<fn>/failed_frac     fraction of samples the function could not score (raised/None)
-    strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.eval.accuracy, when the task has
+    strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.grading.accuracy, when the task has
                                 an answer column (held out, eval_metrics: the same names)
     adv/{mean,std,min,max}, adv/frac_zero_std_groups
     completion/length_mean, completion/length_correct, completion/length_incorrect
@@ -30,12 +30,12 @@ from typing import Any
 
 import numpy as np
 
-from jaxgrpo.eval import accuracy
+from jaxgrpo.core.sharding import to_host
+from jaxgrpo.grading import accuracy
 from jaxgrpo.rewards.inputs import RewardInputs, columns_for
 from jaxgrpo.rl.advantages import group_advantages
 from jaxgrpo.rl.rollout import Rollout
 from jaxgrpo.sampling import StopReason
-from jaxgrpo.sharding import to_host
 
 LENGTH = int(StopReason.LENGTH)
 SAMPLE_FIELDS = ("tokens", "mask", "logprobs", "temperatures", "stop_reason", "lengths")
@@ -167,7 +167,7 @@ def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:
 
 
 def eval_metrics(reward_set: Any, inputs: RewardInputs, truncated: Sequence[bool]) -> dict:
-    """Strict/lenient accuracy and format rate (``jaxgrpo.eval.accuracy``), reward and length of
+    """Strict/lenient accuracy and format rate (``jaxgrpo.grading.accuracy``), reward and length of
     one completion per example, the rewards called as in training (``RewardSet.score``)."""
     total, per_fn, _ = reward_set.score(inputs)
     lengths = inputs.columns["completion_lengths"]

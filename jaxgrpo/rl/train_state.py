@@ -25,8 +25,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxgrpo import sharding
-from jaxgrpo.types import Array, PyTree
+from jaxgrpo.core import sharding
+from jaxgrpo.core.shapes import Array, PyTree
 
 
 @flax.struct.dataclass

@@ -20,11 +20,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxgrpo import sharding
+from jaxgrpo.core import sharding
+from jaxgrpo.core.shapes import Array, PyTree
+from jaxgrpo.core.sharding import shard_act
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
 from jaxgrpo.sampling.loop import ROW_FIELDS, Knobs, LoopConfig, SamplingState, decode, prefill
-from jaxgrpo.sharding import shard_act
-from jaxgrpo.types import Array, PyTree
 
 
 @flax.struct.dataclass
@@ -292,7 +292,7 @@ def sampler_programs(
 ) -> tuple[Callable, Callable, Knobs]:
     """The jitted ``(prefill, decode)`` of a ``generate_from_state`` call, and its knobs.
 
-    ``generate_from_state`` runs them; ``jaxgrpo.compile`` lowers them with abstract inputs
+    ``generate_from_state`` runs them; ``jaxgrpo.planning.compile`` lowers them with abstract inputs
     (``prompt_ids`` may be a sharded ``jax.ShapeDtypeStruct``). Arguments are ``generate``'s.
     """
     n = prompt_ids.shape[0] * int(num_samples)

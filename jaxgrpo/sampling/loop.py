@@ -28,8 +28,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.sampling.select import select_tokens
-from jaxgrpo.types import Array, PyTree
 
 StepFn = Callable[[PyTree, Array, Array, Any], tuple[Array, Any]]
 

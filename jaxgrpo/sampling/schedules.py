@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 
-from jaxgrpo.types import Array
+from jaxgrpo.core.shapes import Array
 
 Schedule = Callable[[Array | float], Array]
 

@@ -12,7 +12,7 @@ log-probability. Greedy rows (``T <= 0``) report ``log_softmax(logits)`` (T = 1)
 import jax
 import jax.numpy as jnp
 
-from jaxgrpo.types import Array
+from jaxgrpo.core.shapes import Array
 
 _NEG_INF = -jnp.inf
 

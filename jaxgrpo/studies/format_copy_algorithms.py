@@ -8,7 +8,7 @@ so GRPO's clipping never acts and GRPO equals GR-REINFORCE step for step; the tw
 where the second pass is off-policy and the clip can bind.
 """
 
-from jaxgrpo.study import Arm, Study
+from jaxgrpo.run.study import Arm, Study
 
 
 def get_study():

@@ -10,7 +10,7 @@ Every arm has the same steps, seed and prompts; only rewards or the temperature 
 ``--base gsm8k_hard`` runs the same arms at TPU scale (the curriculum scales with ``steps``).
 """
 
-from jaxgrpo.study import Arm, Study
+from jaxgrpo.run.study import Arm, Study
 
 
 def _curriculum(c):

@@ -7,7 +7,7 @@ import pytest
 from jaxgrpo import data
 from jaxgrpo.data import MalformedRowError
 from jaxgrpo.data.base import prompt_key, read_local
-from jaxgrpo.data.math import last_boxed
+from jaxgrpo.grading.answers import last_boxed
 
 GOOD = {"question": "What is 2 + 3?", "answer": "2 + 3 = <<2+3=5>>5\n#### 5"}
 

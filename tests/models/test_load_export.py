@@ -22,11 +22,11 @@ transformers = pytest.importorskip("transformers")
 
 from tiny_hf import ARCHS as TINY_HF_ARCHS  # noqa: E402
 
+from jaxgrpo.core.presets import ARCHITECTURES  # noqa: E402
 from jaxgrpo.models import SafetensorsFiles, load_model, random_model  # noqa: E402
 from jaxgrpo.models.config import ModelConfig  # noqa: E402
 from jaxgrpo.models.export import export_hf, export_peft, save_safetensors  # noqa: E402
 from jaxgrpo.models.tiny import tiny_tokenizer  # noqa: E402
-from jaxgrpo.presets import ARCHITECTURES  # noqa: E402
 
 CHATML = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
@@ -126,7 +126,7 @@ def test_hf_dir_logits_match_torch(dirs, arch):
 
 def test_mesh_load_is_sharded_and_equal(dirs):
     """Loading onto an 8-device mesh puts each tensor in its sharding with the same values."""
-    from jaxgrpo.sharding import make_mesh
+    from jaxgrpo.core.sharding import make_mesh
 
     path, _ = dirs["llama"]
     sharded, _ = load_model(path, mesh=make_mesh({"data": 1, "fsdp": 4, "tensor": 2}))
@@ -143,7 +143,7 @@ import jax
 from flax import nnx
 from jaxgrpo.models import load_model
 from jaxgrpo.models.tokenizer import Tokenizer
-from jaxgrpo.sharding import make_mesh
+from jaxgrpo.core.sharding import make_mesh
 
 def status(key):
     with open("/proc/self/status") as f:

@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
+from jaxgrpo.grading.verify import MATH_VERIFY
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.rewards import REWARDS, RewardSet, get_reward, reward_inputs
-from jaxgrpo.rewards.math import MATH_VERIFY
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
 from jaxgrpo.rl.step_metrics import eval_metrics
 

@@ -11,12 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxgrpo.rewards.math import (
-    MATH_VERIFY,
+from jaxgrpo.grading.answers import (
     MATH_VERIFY_MAX_CHARS,
     answers_match,
-    approximation_places,
-    exact_answer,
     extract_answer,
     final_boxed,
     last_boxed,
@@ -27,8 +24,9 @@ from jaxgrpo.rewards.math import (
     reference_answer,
     solution_answer,
     tidy_notation,
-    verify_answer,
 )
+from jaxgrpo.grading.verify import MATH_VERIFY, approximation_places, verify_answer
+from jaxgrpo.rewards.math import exact_answer
 
 CASES = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "math_verify_cases.jsonl")
 

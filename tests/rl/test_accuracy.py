@@ -4,10 +4,11 @@ numbers from the training metrics, held-out evaluation and ``jaxgrpo.evaluate``'
 import numpy as np
 import pytest
 
-from jaxgrpo.eval import accuracy
 from jaxgrpo.eval import metrics as eval_metrics
+from jaxgrpo.grading import accuracy
+from jaxgrpo.grading.verify import MATH_VERIFY
 from jaxgrpo.rewards import RewardSet, reward_inputs
-from jaxgrpo.rewards.math import MATH_VERIFY, exact_answer
+from jaxgrpo.rewards.math import exact_answer
 from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.rollout import Rollout
 

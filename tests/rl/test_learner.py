@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from learner_helpers import count_compiles, host_params, make_learner, run_steps, text_reward
 
-from jaxgrpo import sharding
-from jaxgrpo.config import load_config
+from jaxgrpo.core import sharding
+from jaxgrpo.core.sharding import to_host
 from jaxgrpo.data import get_task
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.objective import make_loss_fn
-from jaxgrpo.sharding import to_host
+from jaxgrpo.settings.schema import load_config
 
 PARAM_ATOL = 1e-5  # float32; 8 devices reduce the same sums in a different order
 

@@ -2,7 +2,7 @@
 
 The reference for every value is the plain forward `model(ids, attention_mask=mask)` over the
 whole (prompt + completion) row, log-softmaxed at the sampled tokens: nothing of
-`jaxgrpo.rl.logprobs` is reused to build it.
+`jaxgrpo.models.logprobs` is reused to build it.
 """
 
 import jax
@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxgrpo.models import logprobs as lp
 from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.packing import pack
 from jaxgrpo.models.tiny import tiny_model_config
 from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.rl import logprobs as lp
-from jaxgrpo.rl.packing import pack
 from jaxgrpo.rl.rollout import split_common_prefix
 
 B, G, P, T = 2, 3, 8, 6

@@ -140,7 +140,7 @@ def test_microbatch_accumulation_equals_full_batch(problem, full_grads, loss_typ
 def test_eight_devices_equal_one(problem, full_grads):
     w, batch = problem
     assert jax.device_count() == 8, "tests/conftest.py sets 8 virtual CPU devices"
-    # Auto axis types (GSPMD), as jaxgrpo.sharding builds its meshes.
+    # Auto axis types (GSPMD), as jaxgrpo.core.sharding builds its meshes.
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()), ("data",))
     batch_sharded = jax.device_put(batch, NamedSharding(mesh, P("data")))
     w_rep = jax.device_put(w, NamedSharding(mesh, P()))

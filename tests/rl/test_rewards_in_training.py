@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from learner_helpers import make_learner, run_steps, text_reward
 
-from jaxgrpo.build import build_rewards
-from jaxgrpo.logging import ProgressBar
 from jaxgrpo.rewards import RewardError, get_reward
+from jaxgrpo.rl.run_log import ProgressBar
+from jaxgrpo.run.build import build_rewards
 
 CALLS: list[dict] = []
 
@@ -69,7 +69,7 @@ def tiny():
 
 def learner_with(tiny, specs, **rewards_cfg):
     """The module's learner scoring with `specs` and `rewards.<key>` = value overrides, its
-    reward set built from them as `jaxgrpo.build.build_rewards` builds a run's."""
+    reward set built from them as `jaxgrpo.run.build.build_rewards` builds a run's."""
     learner, examples, cfg = tiny
     rewards = dataclasses.replace(cfg.rewards, functions=tuple(specs), **rewards_cfg)
     learner.reward_set = build_rewards(rewards, None, None)

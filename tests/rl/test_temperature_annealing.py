@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 from learner_helpers import make_learner
 
-from jaxgrpo.sharding import to_host
+from jaxgrpo.core.sharding import to_host
 
 LEVELS = (1.5, 1.0, 0.6)  # the step schedule: piecewise over steps 0 | 1 | 2
 POSITION_END = 0.5  # the position multiplier falls linearly from 1 to this over T positions

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxgrpo import sharding
+from jaxgrpo.core import sharding
 from jaxgrpo.rl.train_state import (
     TrainState,
     clip_by_global_norm,

@@ -448,7 +448,7 @@ def _on_eight_devices(model, cfg, ids, mask, shape=None, rules=None):
     sampling rules), as a model of ``cfg``, and the batch rows over (data, fsdp)."""
     from flax import nnx
 
-    from jaxgrpo import sharding as shd
+    from jaxgrpo.core import sharding as shd
     from jaxgrpo.models.init import random_model
 
     mesh = shd.make_mesh(shape or {"data": 2, "fsdp": 2, "tensor": 2})
@@ -477,7 +477,7 @@ def test_tensor_parallel_over_fsdp_sampling_equals_one_device(tiny, monkeypatch)
     """Trained weights fsdp-sharded on a 4x2x1 mesh, resharded for decoding by
     ``SAMPLE_TP_RULES`` (heads, MLP and vocabulary over fsdp, rows over data; what an 8B model
     gets on v5e-8), give one device's tokens, and logprobs within 1e-5, with compaction."""
-    from jaxgrpo import sharding as shd
+    from jaxgrpo.core import sharding as shd
 
     model, ids, mask = tiny
     ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # B = 4

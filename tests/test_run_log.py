@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxgrpo import logging as jlog
+from jaxgrpo.rl import run_log as jlog
 
 
 def _read(path):

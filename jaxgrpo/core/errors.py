@@ -32,6 +32,16 @@ def one_line_errors():
         sys.exit(f"error: {e} (traceback: {ERROR_LOG})")
 
 
+class ConfigError(UserError, ValueError):
+    """A config problem, with the offending key in the message."""
+
+
+def config_require(ok: bool, key: str, message: str, value: Any) -> None:
+    """Raises ``ConfigError`` naming ``key`` and its ``value`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"config key {key!r} = {value!r}: {message}")
+
+
 class MissingExtra(UserError, ImportError):
     """An optional package is missing; the message names the ``pip install`` that brings it."""
 

@@ -20,11 +20,11 @@ from typing import Any
 from etils import epath
 from ml_collections import ConfigDict
 
-from jaxgrpo.config_checks import ConfigError, check_mesh, unknown_key_error, validate
 from jaxgrpo.configs import base
 from jaxgrpo.rl.losses import LOSS_PRESETS
+from jaxgrpo.settings.checks import ConfigError, check_mesh, unknown_key_error, validate
 
-SHIPPED_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+SHIPPED_DIR = os.path.dirname(os.path.abspath(base.__file__))  # jaxgrpo/configs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,7 +160,7 @@ class MeshConfig:
     process_id: int
 
     def shape(self) -> dict[str, int]:
-        """Axis sizes as the dict ``jaxgrpo.sharding.make_mesh`` takes (-1 still unresolved)."""
+        """Axis sizes as the dict ``jaxgrpo.core.sharding.make_mesh`` takes (-1 unresolved)."""
         return {"data": self.data, "fsdp": self.fsdp, "tensor": self.tensor}
 
 

@@ -26,7 +26,7 @@ sampler used for it. Two costs dominate on every backend and this module avoids 
 
 * Padding. Completions of one group differ in length, and padding every one to the longest
   scores mostly padding once a policy answers briefly. With a `Packing`
-  (`jaxgrpo.rl.packing.pack`), a group's completions run end to end in one row against the
+  (`jaxgrpo.models.packing.pack`), a group's completions run end to end in one row against the
   group's prompt cache, each attending only to the prompt and to its own earlier tokens, with
   its own positions: the values and gradients are again those of the unshared computation.
 
@@ -44,11 +44,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
+from jaxgrpo.core.host import backend
+from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.models.layers import banded_mask
+from jaxgrpo.models.packing import Packing
 from jaxgrpo.models.transformer import Segment
-from jaxgrpo.platform import backend
-from jaxgrpo.rl.packing import Packing
-from jaxgrpo.types import Array, PyTree
 
 # Up to this many bytes of [R, T, V] float32 log-probabilities, the backward pass of a head
 # that is trained (full fine-tuning) keeps them instead of recomputing the logits (the GRPO
@@ -342,7 +342,7 @@ def packed_logprobs(
     is predicted by the prompt's last hidden state, every other one by the packed column
     before it. Columns past a completion's end (per `packing`) come back as 0.
 
-    Args: as `shared_prefix_logprobs`, with `packing` from `jaxgrpo.rl.packing.pack`.
+    Args: as `shared_prefix_logprobs`, with `packing` from `jaxgrpo.models.packing.pack`.
 
     Returns:
         (logp_RT, entropy_RT), float32.

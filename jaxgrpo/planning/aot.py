@@ -1,7 +1,7 @@
 """Ahead-of-time compilation of a GRPO step's programs for a slice that is not here.
 
-``jaxgrpo.compile`` is the command line; this module does the work. A ``Learner`` is built on
-an abstract model (``nnx.eval_shape``: shapes and shardings, no weights) over the target
+``jaxgrpo.planning.compile`` is the command line; this module does the work. A ``Learner`` is
+built on an abstract model (``nnx.eval_shape``: shapes and shardings, no weights) over the target
 slice's devices (a TPU topology description from libtpu, or virtual CPU devices), and the very
 jitted functions the trainer calls are lowered with sharded ``jax.ShapeDtypeStruct``
 arguments and compiled: the sampler's prefill and decode loop, the scoring pass (reference and
@@ -25,13 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxgrpo import flops, memory, presets, sharding
+from jaxgrpo.core import presets, sharding
+from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
+from jaxgrpo.models import packing as packing_lib
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.platform import FORCE_HOST_DEVICES_FLAG
-from jaxgrpo.rl import packing as packing_lib
+from jaxgrpo.planning import flops, memory
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.train_state import TrainState
@@ -258,7 +259,7 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         programs.append(_compile("update", learner._update, args, calls, f, 3 * w))
     if want("eval"):
         tok = learner.tokenizer
-        # The arguments of jaxgrpo.eval.held_out.evaluate's generate_from_state call.
+        # The arguments of jaxgrpo.rl.held_out.evaluate's generate_from_state call.
         kwargs = dict(max_new_tokens=t, temperature=0.0, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
         programs += _sampler(learner, "eval", n, p, kwargs, d)
     return programs

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jaxgrpo.types import PyTree
+from jaxgrpo.core.shapes import PyTree
 
 
 class NonFiniteCheckpointError(ValueError):

@@ -9,8 +9,9 @@ Each run (a ``--checkpoint`` run directory, or the untrained model with ``--base
 checkpoint is given) samples ``num_samples`` completions per held-out prompt with the seed
 study's settings (512 new tokens, temperature 0.6, top-p 0.95, its prompt from the task) and
 is scored by ``jaxgrpo.eval.metrics``: ``strict_accuracy``, ``lenient_accuracy`` and
-``format_rate`` (``jaxgrpo.eval.accuracy``'s definitions, the names the training logs use), pass@k
-(strict) for every k <= n, mean@n, lengths split by correctness, truncation and doom-loop rates.
+``format_rate`` (``jaxgrpo.grading.accuracy``'s definitions, the names the training logs use),
+pass@k (strict) for every k <= n, mean@n, lengths split by correctness, truncation and doom-loop
+rates.
 An optional judge (any ``load_model`` source) answers yes/no, greedily, whether a completion
 reaches the reference.
 
@@ -47,8 +48,14 @@ import jax
 from etils import epath
 from tqdm.auto import tqdm
 
-from jaxgrpo import config as config_lib
-from jaxgrpo.build import (
+from jaxgrpo.core.errors import UserError
+from jaxgrpo.core.host import prepare_cli
+from jaxgrpo.data import TASKS
+from jaxgrpo.data.base import RowTask
+from jaxgrpo.eval import metrics
+from jaxgrpo.eval.completions import Settings, sample
+from jaxgrpo.rewards.inputs import reward_inputs
+from jaxgrpo.run.build import (
     build_mesh,
     build_rewards,
     build_task,
@@ -56,14 +63,8 @@ from jaxgrpo.build import (
     restore_params,
     start_distributed,
 )
-from jaxgrpo.data import TASKS
-from jaxgrpo.data.base import RowTask
-from jaxgrpo.errors import UserError
-from jaxgrpo.eval import metrics
-from jaxgrpo.eval.completions import Settings, sample
-from jaxgrpo.eval.judge import make_judge
-from jaxgrpo.platform import prepare_cli
-from jaxgrpo.rewards.inputs import reward_inputs
+from jaxgrpo.run.judge import make_judge
+from jaxgrpo.settings import schema as config_lib
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation of runs.

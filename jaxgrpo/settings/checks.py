@@ -16,20 +16,17 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
-from jaxgrpo import presets
 from jaxgrpo.configs import base
+from jaxgrpo.core import presets
+from jaxgrpo.core.errors import ConfigError, config_require
 from jaxgrpo.data import TASKS
-from jaxgrpo.errors import UserError
 from jaxgrpo.models.config import LORA_TARGETS, REMAT_POLICIES
 from jaxgrpo.rewards import REWARDS, Curriculum
 from jaxgrpo.rl.advantages import BASELINES, SCALES
+from jaxgrpo.rl.batch_layout import check_batch_layout
 from jaxgrpo.rl.kl import KL_ESTIMATORS
 from jaxgrpo.rl.losses import LOSS_PRESETS
 from jaxgrpo.sampling.schedules import SCHEDULES
-
-
-class ConfigError(UserError, ValueError):
-    """A config problem, with the offending key in the message."""
 
 
 def unknown_key_error(key: str, parent: Any, part: str) -> ConfigError:
@@ -73,9 +70,7 @@ def _check_schema(value: Any, default: Any, key: str) -> None:
         )
 
 
-def _require(ok: bool, key: str, message: str, value: Any) -> None:
-    if not ok:
-        raise ConfigError(f"config key {key!r} = {value!r}: {message}")
+_require = config_require
 
 
 def _one_of(cfg: ConfigDict, key: str, options: tuple) -> None:
@@ -193,35 +188,6 @@ def _check_rl(cfg: ConfigDict) -> None:
         msg = "needs rl.ref_reset_every > 0"
         _require(r.ref_reset_every > 0, "rl.ref_reset_optimizer", msg, True)
     check_batch_layout(r, None)
-
-
-def check_batch_layout(rl: Any, shards: int | None) -> None:
-    """The batch split the learner relies on; shared by ``validate`` and the ``Learner``.
-
-    A minibatch holds whole groups, so ``num_minibatches * grad_accum`` must divide
-    ``prompts_per_step``; a micro-batch of ``prompts_per_step * group_size /
-    (num_minibatches * grad_accum)`` sequences is split over the ``data * fsdp`` devices
-    (``shards``; None skips that part), so it must be a multiple of them.
-    """
-    split = rl.num_minibatches * rl.grad_accum
-    key = "rl.grad_accum" if rl.grad_accum > 1 else "rl.num_minibatches"
-    _require(
-        rl.prompts_per_step % split == 0,
-        key,
-        f"num_minibatches * grad_accum = {split} must divide rl.prompts_per_step = "
-        f"{rl.prompts_per_step}: minibatches hold whole groups",
-        getattr(rl, key[3:]),
-    )
-    if shards is None:
-        return
-    micro = rl.prompts_per_step * rl.group_size // split
-    _require(
-        micro % shards == 0,
-        "rl.prompts_per_step",
-        f"a micro-batch of (prompts_per_step * group_size) / (num_minibatches * grad_accum)"
-        f" = {micro} sequences must be divisible by mesh data * fsdp = {shards}",
-        rl.prompts_per_step,
-    )
 
 
 def _check_eval(cfg: ConfigDict) -> None:

@@ -7,8 +7,8 @@ import dataclasses
 import re
 from typing import Any
 
-from jaxgrpo.build import build_model
 from jaxgrpo.eval.completions import Settings, sample
+from jaxgrpo.run.build import build_model
 
 
 def judge_messages(examples, completions, num_samples: int, prompt: str) -> list:

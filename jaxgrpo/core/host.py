@@ -194,7 +194,7 @@ def skip_absent_tpu(root: str = "/") -> str | None:
     JAX_PLATFORMS (or ``jax_platforms``), which always wins. Call it before JAX's first
     backend use: the CLIs' modules import jax, which reads JAX_PLATFORMS only then, so this
     sets JAX's config, not the variable. Compiling for TPU topologies
-    (``jaxgrpo.compile``) loads libtpu by itself and needs no TPU backend.
+    (``jaxgrpo.planning.compile``) loads libtpu by itself and needs no TPU backend.
 
     Returns:
       The platforms set, or None when JAX's choice was left alone.

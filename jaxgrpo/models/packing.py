@@ -2,7 +2,7 @@
 
 The G completions of a prompt differ in length; padding each to the longest scores mostly
 padding once a policy answers briefly. Packed, a group's completions run end to end in one row
-of L columns against the group's prompt (`jaxgrpo.rl.logprobs.packed_logprobs`), each token
+of L columns against the group's prompt (`jaxgrpo.models.logprobs.packed_logprobs`), each token
 attending the prompt and the earlier tokens of its own completion. Used by the learner's
 scoring passes and by the perplexity reward.
 """
@@ -15,8 +15,8 @@ import flax.struct
 import jax.numpy as jnp
 import numpy as np
 
+from jaxgrpo.core.shapes import Array
 from jaxgrpo.models.tokenizer import bucket_length
-from jaxgrpo.types import Array
 
 # A packed row is the longest group's tokens rounded up to a multiple of this many columns
 # where that is narrower than their half-octave bucket: with long completions scoring is most

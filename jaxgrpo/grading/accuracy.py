@@ -8,7 +8,7 @@ and training metrics, held-out evaluation during training (``Learner.evaluate``)
 * strict: the content of the completion's last ``<answer>...</answer>`` tag equals the
   reference, whatever text surrounds the tag (the seed study's "the content of the <answer> tag
   matches"; the last tag, as for the ``exact_answer`` reward, so strict correctness is exactly
-  ``exact_answer == 1``). The comparison is ``jaxgrpo.rewards.math.verify_answer``: the fast
+  ``exact_answer == 1``). The comparison is ``jaxgrpo.grading.verify.verify_answer``: the fast
   numeric path, or math-verify where the example's ``verifier`` column says so.
 * lenient: strict, or the last number anywhere in the completion equals the reference (what
   the seed study's LLM judge recovered from badly formatted answers). For a non-numeric
@@ -28,15 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from jaxgrpo.rewards.format import single_answer
-from jaxgrpo.rewards.math import (
+from jaxgrpo.grading.answers import (
     completion_text,
     extract_answer,
     last_number,
     parse_number,
     reference_answer,
-    verify_answer,
+    single_answer,
 )
+from jaxgrpo.grading.verify import verify_answer
 
 STRICT = "strict_accuracy"
 LENIENT = "lenient_accuracy"

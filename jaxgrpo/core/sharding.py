@@ -22,7 +22,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxgrpo import presets
+from jaxgrpo.core import presets
 
 MESH_AXES = ("data", "fsdp", "tensor")
 

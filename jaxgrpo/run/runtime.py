@@ -2,7 +2,7 @@
 fault injection for the tests of a killed run.
 
 Kept apart from ``train.py`` so the loop there reads as the sequence of steps it is; process
-set-up is `jaxgrpo.platform`, errors `jaxgrpo.errors`.
+set-up is `jaxgrpo.core.host`, errors `jaxgrpo.core.errors`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
 """Greedy evaluation of the current policy on held-out examples during training (strict and
-lenient accuracy and format rate, as ``jaxgrpo.eval.accuracy`` defines them)."""
+lenient accuracy and format rate, as ``jaxgrpo.grading.accuracy`` defines them)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from typing import Any
 
+from jaxgrpo.core.sharding import to_host
 from jaxgrpo.eval.completions import complete
 from jaxgrpo.rewards.inputs import reward_inputs
 from jaxgrpo.rl import step_metrics
-from jaxgrpo.sharding import to_host
 
 
 def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, float]:

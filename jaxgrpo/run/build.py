@@ -1,7 +1,7 @@
 """The parts of a run built from its config: mesh, model and tokenizer, task, rewards, and a
 run's trained policy from its checkpoint.
 
-Training (``jaxgrpo.train``), evaluation (``jaxgrpo.eval``) and export (``jaxgrpo.export``)
+Training (``jaxgrpo.run.train``), evaluation (``jaxgrpo.eval``) and export (``jaxgrpo.run.export``)
 all build through here, so none of them imports another's command line.
 
 Model source aliases: ``"smollm2"`` is the SmolLM2-135M-Instruct GGUF embedded in the
@@ -20,18 +20,18 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxgrpo import config as config_lib
-from jaxgrpo import sharding
-from jaxgrpo.checkpoint import Checkpointer
-from jaxgrpo.config import ConfigError, TrainConfig
+from jaxgrpo.core import sharding
+from jaxgrpo.core.host import initialize_distributed
 from jaxgrpo.data import TASKS, get_task
 from jaxgrpo.models import load_model
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import tiny_model
-from jaxgrpo.platform import initialize_distributed
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
+from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
+from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.schema import ConfigError, TrainConfig
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ALIASES = {  # what the aliases of model.source are, for the run's header

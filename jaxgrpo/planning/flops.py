@@ -8,8 +8,8 @@ matmul of an [m, k] by a [k, n] matrix is ``2 m k n`` FLOPs; attention adds ``4 
 
 from __future__ import annotations
 
-from jaxgrpo import memory
 from jaxgrpo.models.config import ModelConfig
+from jaxgrpo.planning import memory
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 

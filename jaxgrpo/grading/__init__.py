@@ -1,0 +1,2 @@
+"""Answer grading, shared by data, rewards and evaluation: extraction and notation
+(``answers``), comparison (``verify``) and accuracy (``accuracy``)."""

@@ -1,0 +1,450 @@
+"""Memory per device of a GRPO run: parameters, optimizer state, KV cache, activations.
+
+``python -m jaxgrpo.memory --config gsm8k_hard.py --preset v5e-8`` prints the estimate for one
+run on one slice; ``--table`` prints which model sizes fit on which slices (the README table).
+
+The estimate is arithmetic on the model's shapes, with no model built:
+
+* parameters: the exact element count of ``jaxgrpo.models.transformer.Transformer`` (plus LoRA
+  A and B), divided evenly over ``fsdp * tensor`` as ``sharding.TRAIN_RULES`` split them;
+* trainable state: gradients (with gradient accumulation, the running sum and the
+  micro-batch's; full fine-tuning with unrolled layers or remat adds their share in place, so
+  only the embedding, head and final norm hold a second one), AdamW's two moments in the
+  parameter dtype, and the reference policy's trainable part when ``beta > 0`` (zero LoRA, or a full
+  copy for full fine-tuning);
+* KV cache of sampling: ``2 * L * rows * (P + T) * K * H`` in the compute dtype, rows =
+  ``prompts_per_step * group_size / (data * fsdp)``, K split over ``tensor``;
+* the sampler's weights: the decode program reshards the weights to
+  ``sharding.sampling_rules`` and lays them out per layer, two copies in the compute dtype,
+  split over ``tensor`` when they fit replicated over data x fsdp, else over fsdp x tensor when
+  that fits, else one fsdp-sharded copy;
+* activations of one micro-batch's update, kept for the backward pass (prefix-shared: the
+  prompt once per group, the completions against its repeated cache): per token and layer the
+  block's inputs, q/k/v, attention output, MLP hidden and SwiGLU product, plus float32 attention
+  scores (packed completions attend in bands, ``rl.logprobs.band_layout``); with ``remat`` only
+  each block's input is kept (with ``remat_policy="projections"`` also its projections'
+  outputs, ``models.layers.PROJECTION_OUTPUTS``), and one block is live at a time. The logits
+  are chunked over T (``rl/logprobs.py``, ``head_chunk`` positions), float32. With fsdp > 1 the
+  update also holds the embedding, the LM head and two layers' weights gathered whole over
+  fsdp.
+
+Parameters, optimizer state and cache are checked against real arrays by the tests; the
+activations are an order-of-magnitude figure (XLA fuses and reuses buffers), checked against
+XLA's own buffer assignment within a stated factor. For the compiler's own per-program figures
+on a real slice, use ``python -m jaxgrpo.compile``; at gsm8k_hard's sizes the compiled update
+is larger than this estimate's update phase, which is a lower bound there
+(``benchmarks/memory_vs_compiled.py`` and its table in benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from jaxgrpo.core.presets import (
+    ARCHITECTURES,
+    GIB,
+    PRESETS,
+    RANDOM_PREFIX,
+    find_architecture,
+    get_preset,
+)
+from jaxgrpo.core.sharding import sampling_layout
+from jaxgrpo.models.config import LORA_TARGETS, ModelConfig
+from jaxgrpo.models.logprobs import band_layout, head_chunk
+
+_BYTES = {"float32": 4, "bfloat16": 2}
+# Architectures that repeat another one's shape: left out of the fit table.
+TABLE_DUPLICATES = ("Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B-Instruct-abliterated")
+
+
+def _proj_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(fan-in, fan-out) of each LoRA-able projection of one layer."""
+    d, n, k, h, f = (
+        cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    )  # fmt: skip
+    return {
+        "q": (d, n * h), "k": (d, k * h), "v": (d, k * h), "o": (n * h, d),
+        "gate": (d, f), "up": (d, f), "down": (f, d),
+    }  # fmt: skip
+
+
+def base_param_count(cfg: ModelConfig) -> int:
+    """Elements of every ``nnx.Param`` that is not a LoRA adapter."""
+    d, n, k, h = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    layer = sum(i * o for i, o in _proj_shapes(cfg).values()) + 2 * d  # + two RMSNorm scales
+    layer += (n + 2 * k) * h if cfg.qkv_bias else 0
+    layer += d if cfg.o_bias else 0
+    layer += 2 * h if cfg.qk_norm else 0
+    return cfg.num_layers * layer + outside_layers_param_count(cfg)
+
+
+def outside_layers_param_count(cfg: ModelConfig) -> int:
+    """Elements of the weights outside the stacked layers: embedding, LM head, final norm."""
+    d = cfg.hidden_size
+    return cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + d
+
+
+def lora_param_count(cfg: ModelConfig) -> int:
+    """Elements of the LoRA adapters: ``R * (in + out)`` per targeted projection and layer."""
+    if cfg.lora is None:
+        return 0
+    shapes = _proj_shapes(cfg)
+    r = cfg.lora.rank
+    per_layer = sum(r * sum(shapes[t]) for t in cfg.lora.targets if t in LORA_TARGETS)
+    return cfg.num_layers * per_layer
+
+
+@dataclasses.dataclass(frozen=True)
+class RunShape:
+    """What a step holds at once, from the config.
+
+    Attributes:
+      prompts: B, prompts per step.
+      group: G, samples per prompt.
+      prompt_len: P, prompt bucket length.
+      new_tokens: T, max_new_tokens.
+      micro_batches: num_minibatches * grad_accum (a micro-batch holds B / this prompts).
+      grad_accum: micro-batches summed per update.
+      beta: KL coefficient (> 0 keeps a reference policy).
+      packed: ``rl.pack_completions``: the update's rows are a micro-batch's prompts, each
+        packing its G completions; they split over data x fsdp only when they divide evenly
+        (else every device scores all of them, as ``sharding.batch_sharding`` places them).
+    """
+
+    prompts: int
+    group: int
+    prompt_len: int
+    new_tokens: int
+    micro_batches: int = 1
+    grad_accum: int = 1
+    beta: float = 0.0
+    packed: bool = True
+
+    def with_grad_accum(self, grad_accum: int) -> RunShape:
+        """The same run with ``grad_accum`` micro-batches per update (minibatches kept)."""
+        minibatches = self.micro_batches // self.grad_accum
+        return dataclasses.replace(
+            self, micro_batches=minibatches * grad_accum, grad_accum=grad_accum
+        )
+
+
+def fitting_grad_accum(run: RunShape, mesh: dict[str, int]) -> int:
+    """The largest ``grad_accum`` <= the run's whose micro-batch splits over the mesh.
+
+    A micro-batch of ``prompts * group / (num_minibatches * grad_accum)`` sequences must be a
+    multiple of ``data * fsdp`` (``jaxgrpo.settings.schema`` rejects the run otherwise), so a slice
+    with more data-parallel devices needs fewer, larger micro-batches: more activation memory.
+
+    Returns:
+      That ``grad_accum``, or 0 when even 1 does not split (fewer sequences than devices).
+    """
+    batch, shards = run.prompts * run.group, mesh["data"] * mesh["fsdp"]
+    minibatches = run.micro_batches // run.grad_accum
+    for g in range(run.grad_accum, 0, -1):
+        split = minibatches * g
+        if batch % split == 0 and (batch // split) % shards == 0:
+            return g
+    return 0
+
+
+def estimate(
+    cfg: ModelConfig,
+    run: RunShape,
+    mesh: dict[str, int] | None = None,
+    hbm_bytes: float | None = None,
+) -> dict[str, float]:
+    """Bytes per device of each part of a step (an even split over the mesh).
+
+    Args:
+      cfg: the model (``cfg.lora`` None = full fine-tuning).
+      run: batch layout.
+      mesh: ``{"data", "fsdp", "tensor"}`` sizes; None = one device.
+      hbm_bytes: memory per device, which decides the sampler's weight layout
+        (``sharding.sampling_rules``); None = replicated over data x fsdp.
+
+    Returns:
+      ``params`` (frozen + trainable), ``grads``, ``opt_state``, ``ref_params``, ``kv_cache``,
+      ``sample_weights`` (the decode program's copies of the weights: resharded for sampling
+      and laid out per layer, see ``jaxgrpo.sampling.generate``), ``activations`` and
+      ``total`` = the first four + max(kv_cache + sample_weights, activations) (sampling and
+      the update do not overlap).
+    """
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1, **(mesh or {})}
+    shard = mesh["fsdp"] * mesh["tensor"]
+    rows_split = mesh["data"] * mesh["fsdp"]
+    pb, cb = _BYTES[cfg.param_dtype], _BYTES[cfg.dtype]
+    lora = lora_param_count(cfg)
+    trainable = (lora if cfg.lora else base_param_count(cfg)) * pb / shard
+    out = {"params": (base_param_count(cfg) + lora) * pb / shard}
+    # Over micro-batches, a second gradient sits beside the running sum; full fine-tuning may
+    # add the layers' share into the sum in place (`ModelConfig.adds_layer_gradients_in_place`).
+    second = trainable
+    if not cfg.lora and cfg.adds_layer_gradients_in_place:
+        second = outside_layers_param_count(cfg) * pb / shard
+    out["grads"] = trainable + (second if run.grad_accum > 1 else 0.0)
+    out["opt_state"] = 2 * trainable
+    # LoRA: zero adapters in the state. Full fine-tuning: the initial weights ("params") are
+    # the reference, and this is the trained copy the state holds beside them.
+    out["ref_params"] = trainable if run.beta > 0 else 0.0
+    rows = math.ceil(run.prompts * run.group / rows_split)
+    seq = run.prompt_len + run.new_tokens
+    kv_heads = max(1, cfg.num_kv_heads // mesh["tensor"])
+    out["kv_cache"] = 2.0 * cfg.num_layers * rows * seq * kv_heads * cfg.head_dim * cb
+    weights = (base_param_count(cfg) + lora) * cb
+    layout = "sample" if hbm_bytes is None else sampling_layout(mesh, weights, hbm_bytes)
+    split = {"sample": 2.0 / mesh["tensor"], "sample_tp": 2.0 / shard, "train": 1.0 / shard}
+    out["sample_weights"] = weights * split[layout]
+    out["activations"] = _activations(cfg, run, rows_split, mesh["tensor"])
+    if mesh["fsdp"] > 1:  # the update gathers fsdp-sharded weights whole over fsdp
+        out["activations"] += _gathered_weights(cfg) * cb / mesh["tensor"]
+    static = out["params"] + out["grads"] + out["opt_state"] + out["ref_params"]
+    out["total"] = static + max(out["kv_cache"] + out["sample_weights"], out["activations"])
+    return out
+
+
+def _gathered_weights(cfg: ModelConfig) -> float:
+    """Elements the update holds gathered over fsdp at once: the embedding and the LM head
+    (each [V, D]) and two layers' weights (the one running and the next, fetched ahead)."""
+    embed = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_embeddings else 2)
+    return embed + 2 * (base_param_count(cfg) - embed) / cfg.num_layers
+
+
+def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) -> float:
+    """Bytes kept for the backward pass of one micro-batch (see the module docstring)."""
+    cb = _BYTES[cfg.dtype]
+    d, f, h, t = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim, run.new_tokens
+    n, k = cfg.num_heads / tensor, max(1, cfg.num_kv_heads // tensor)
+    micro = run.prompts / run.micro_batches  # prompts per micro-batch
+    if run.packed:
+        prompts = micro / rows_split if micro % rows_split == 0 else micro
+        rows = prompts * run.group
+    else:  # one row per sequence, split over the devices (each holds its prompts' part)
+        rows = micro * run.group / rows_split
+        prompts = max(1.0, rows / run.group)
+    seq = run.prompt_len + t
+    tokens = prompts * run.prompt_len + rows * t
+    # Per token and layer: norms' inputs (2D), q and attention output (2NH), k and v (2KH),
+    # o output (D), gate/up (2F), SwiGLU product (F).
+    per_token = (3 * d + 2 * n * h + 2 * k * h + 3 * f / tensor) * cb
+    # float32 attention scores, probabilities and the backward's score gradient (one layer
+    # live): prompt queries x prompt keys, completion queries x every key. Packed, a prompt's
+    # G completions are one row of G * T queries against P + G * T keys, or against
+    # P + (back + 1) W in bands of W columns (`rl.logprobs.band_layout`).
+    if run.packed:
+        band, back = band_layout(t, run.group * t)
+        own = prompts * run.group * t * (run.prompt_len + ((back + 1) * band or run.group * t))
+    else:
+        own = rows * t * seq
+    scores = 3 * 4.0 * n * (prompts * run.prompt_len**2 + own)
+    cache = 2.0 * rows * seq * k * h * cb  # the repeated prompt cache, per layer
+    layer = tokens * per_token + scores + cache
+    if cfg.remat:  # each block's input, and with "projections" `layers.PROJECTION_OUTPUTS`
+        projections = 2 * n * h + 2 * k * h + d + 2 * f / tensor
+        per_kept = d + (projections if cfg.remat_policy == "projections" else 0)
+        kept = cfg.num_layers * tokens * per_kept * cb + layer
+    else:
+        kept = cfg.num_layers * layer
+    # One logits block of each row (`head_chunk`): packed, a row is a prompt's G completions.
+    logit_rows = prompts if run.packed else rows
+    block = head_chunk(logit_rows, t, platform=cfg.platform)
+    logits = 3.0 * logit_rows * block * cfg.vocab_size / tensor * 4
+    return kept + logits
+
+
+def model_config(source: str, *, lora: Any = None, **overrides: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a model source without loading weights.
+
+    Args:
+      source: ``"tiny"``, ``"smollm2"``, an ``ARCHITECTURES`` name or ``random:<name>`` (or
+        a hub id containing one, case-insensitive), a local HF directory or a ``.gguf`` file.
+      lora: ``LoRAConfig`` or None.
+      **overrides: ModelConfig fields (dtype, param_dtype, remat).
+
+    Raises:
+      ValueError: the source is none of these (hub ids are not downloaded).
+    """
+    import os
+
+    if source == "tiny":
+        from jaxgrpo.models.tiny import tiny_model_config
+
+        return tiny_model_config().replace(lora=lora, **overrides)
+    if source == "smollm2":
+        source = "SmolLM2-135M"
+    name = find_architecture(source.removeprefix(RANDOM_PREFIX))
+    if name is not None and not os.path.exists(os.path.expanduser(source)):
+        hf = ARCHITECTURES[name]
+        return ModelConfig.from_hf_config(hf, lora=lora, **overrides)
+    if os.path.exists(os.path.expanduser(source)):
+        from jaxgrpo.models import read_source
+
+        return ModelConfig.from_hf_config(read_source(source)[0], lora=lora, **overrides)
+    raise ValueError(
+        f"unknown model source {source!r} for the memory estimate: pass a local directory, a "
+        f".gguf file, or one of {', '.join(ARCHITECTURES)} (--model)"
+    )
+
+
+def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
+    """(ModelConfig, RunShape) of a ``TrainConfig``; ``model`` replaces ``cfg.model.source``."""
+    from jaxgrpo.models.config import LoRAConfig
+
+    m = cfg.model
+    lora = None
+    if m.lora_rank > 0:
+        lora = LoRAConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
+    model_cfg = model_config(
+        model or m.source,
+        lora=lora,
+        dtype=m.dtype,
+        param_dtype=m.param_dtype,
+        remat=m.remat,
+        remat_policy=m.remat_policy,
+    )
+    rl = cfg.rl
+    run = RunShape(
+        prompts=rl.prompts_per_step,
+        group=rl.group_size,
+        prompt_len=prompt_len,
+        new_tokens=cfg.sampling.max_new_tokens,
+        micro_batches=rl.num_minibatches * rl.grad_accum,
+        grad_accum=rl.grad_accum,
+        beta=rl.beta,
+        packed=rl.pack_completions,
+    )
+    return model_cfg, run
+
+
+def _gib(x: float) -> str:
+    return f"{x / GIB:.2f}"
+
+
+def report(cfg: ModelConfig, run: RunShape, preset: str | None) -> str:
+    """A Markdown table of ``estimate`` for one run (on a preset's mesh, or one device).
+
+    On a preset whose data x fsdp does not divide the run's micro-batch, the estimate is for
+    the largest ``grad_accum`` that does (``fitting_grad_accum``), and the report says so.
+    """
+    p = get_preset(preset) if preset else None
+    note = ""
+    if p:
+        shards = p.mesh["data"] * p.mesh["fsdp"]
+        g = fitting_grad_accum(run, p.mesh)
+        if g == 0:
+            return (
+                f"{p.name}: a batch of {run.prompts * run.group} sequences cannot split over "
+                f"data x fsdp = {shards} devices; raise rl.prompts_per_step or rl.group_size"
+            )
+        if g != run.grad_accum:
+            note = (
+                f"rl.grad_accum={run.grad_accum} gives micro-batches that do not split over "
+                f"data x fsdp = {shards} devices: estimated with --config.rl.grad_accum={g}\n\n"
+            )
+            run = run.with_grad_accum(g)
+    est = estimate(cfg, run, p.mesh if p else None, p.hbm_bytes if p else None)
+    where = f"{p.name} mesh {p.mesh}" if p else "one device"
+    lines = [
+        f"{note}Memory per device, {where}: {base_param_count(cfg) / 1e9:.3f} B base "
+        f"parameters, {lora_param_count(cfg) / 1e6:.2f} M LoRA parameters, grad_accum "
+        f"{run.grad_accum}",
+        "",
+        "| part | GiB |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {_gib(v)} |" for k, v in est.items()]
+    if p:
+        verdict = "fits" if est["total"] <= 0.9 * p.hbm_bytes else "does NOT fit"
+        lines.append(f"\n{verdict} in {p.hbm_bytes / GIB:.0f} GiB per device (90% usable)")
+    return "\n".join(lines)
+
+
+def fit_table(
+    run: RunShape, presets: Sequence[str], lora_rank: int = 16, remat_policy: str = "full"
+) -> str:
+    """Markdown: GiB per device of each known model (LoRA and full FT) on each preset, in
+    bfloat16 with remat keeping what ``remat_policy`` says.
+
+    A cell is ``total GiB`` with a check mark when it fits in 90% of the device memory. A
+    preset whose data x fsdp does not divide the run's micro-batch is estimated with its
+    ``fitting_grad_accum`` (named under the table; "-" when no grad_accum splits).
+    """
+    from jaxgrpo.models.config import LoRAConfig
+
+    runs = {p: run.with_grad_accum(fitting_grad_accum(run, PRESETS[p].mesh)) for p in presets}
+    header = "| model | params | tuning | " + " | ".join(presets) + " |"
+    lines = [header, "|---|---:|---|" + "---:|" * len(presets)]
+    for name, fields in ARCHITECTURES.items():
+        if name in TABLE_DUPLICATES:
+            continue
+        base = dict(dtype="bfloat16", param_dtype="bfloat16", remat=True, remat_policy=remat_policy)
+        for tuning, lora in (("LoRA", LoRAConfig(rank=lora_rank)), ("full", None)):
+            cfg = ModelConfig.from_hf_config(fields, **base, lora=lora)
+            cells = []
+            for preset in presets:
+                p = PRESETS[preset]
+                if runs[preset].grad_accum == 0:
+                    cells.append("-")
+                    continue
+                total = estimate(cfg, runs[preset], p.mesh, p.hbm_bytes)["total"]
+                mark = "✓" if total <= 0.9 * p.hbm_bytes else "✗"
+                cells.append(f"{total / GIB:.1f} {mark}")
+            count = f"{base_param_count(cfg) / 1e9:.2f} B"
+            lines.append(f"| {name} | {count} | {tuning} | " + " | ".join(cells) + " |")
+    changed = [p for p in presets if runs[p].grad_accum != run.grad_accum]
+    if changed:
+        notes = ", ".join(f"{p} grad_accum={runs[p].grad_accum}" for p in changed)
+        lines.append(
+            f"\nMicro-batches must split over data x fsdp: {notes} (instead of "
+            f"{run.grad_accum}; '-' = no grad_accum splits)."
+        )
+    return "\n".join(lines)
+
+
+TABLE_PRESETS = ("v5e-8", "v6e-8", "v5p-8", "v5e-64", "v5p-128")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI: ``--config X [--preset P] [--model M] [--prompt_len P] [--config.a.b=v ...]`` or
+    ``--table``."""
+    parser = argparse.ArgumentParser(prog="python -m jaxgrpo.memory", description=__doc__)
+    parser.add_argument("--config", help="config file or shipped name")
+    parser.add_argument("--preset", help=f"slice: {', '.join(PRESETS)}")
+    parser.add_argument("--model", help="model source or known name instead of model.source")
+    parser.add_argument("--prompt_len", type=int, default=256, help="prompt bucket length P")
+    parser.add_argument("--table", action="store_true", help="models x slices fit table")
+    args, rest = parser.parse_known_args(argv)
+    bad = [a for a in rest if not a.startswith("--config.")]
+    if bad:
+        parser.error(f"unrecognized arguments: {' '.join(bad)}")
+    from jaxgrpo.settings import schema as config_lib
+    from jaxgrpo.settings.schema import config_override
+
+    overrides = dict(config_override(a) for a in rest)
+    try:
+        if args.table:
+            name = args.config or "gsm8k_hard"
+            cfg = config_lib.load_config(name, overrides)
+            _, run = from_train_config(cfg, args.prompt_len, "tiny")
+            policy = cfg.model.remat_policy
+            remat = "remat" if policy == "full" else f"remat keeping {policy}"
+            print(f"GiB per device (bf16, {remat}, {name}: {run}); ✓ = fits in 90% of HBM\n")
+            print(fit_table(run, TABLE_PRESETS, remat_policy=policy))
+            return 0
+        if not args.config:
+            parser.error("--config (or --table) is required")
+        cfg = config_lib.load_config(args.config, overrides)
+        model_cfg, run = from_train_config(cfg, args.prompt_len, args.model)
+        print(report(model_cfg, run, args.preset))
+    except (ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""``python -m jaxgrpo.train --config CONFIG [--config.section.key=value ...]``: a GRPO run.
+
+Wires the parts and owns no math: config -> distributed runtime -> mesh -> model and tokenizer
+-> task -> rewards -> ``Learner`` -> the step loop with its data cursor, checkpoints, metrics,
+sample dumps, progress bar and held-out evaluation before and after training.
+
+``CONFIG`` is a path to a config file, or the bare name of a shipped one (``format_copy``,
+``gsm8k_hard.py``, ...) when no such path exists. Rerunning in the same ``run_dir`` continues
+from its latest checkpoint. SIGTERM or a first Ctrl-C finishes the current step, saves a
+checkpoint and exits; a second Ctrl-C stops at once.
+
+The parts (model, task, rewards) are built by ``jaxgrpo.run.build``, which names the model
+source aliases.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+from absl import app, flags
+from absl import logging as absl_logging
+from ml_collections import config_flags
+
+from jaxgrpo.core.errors import one_line_errors
+from jaxgrpo.core.host import cache_off_why, prepare_cli
+from jaxgrpo.rl.checkpoint import Checkpointer
+from jaxgrpo.rl.learner import Learner
+from jaxgrpo.rl.run_log import (
+    MetricsLogger,
+    ProgressBar,
+    check_dead_run,
+    console,
+    eval_line,
+    run_header,
+    run_summary,
+    warn_once,
+)
+from jaxgrpo.run import plot
+from jaxgrpo.run.build import (
+    MODEL_ALIASES,
+    build_mesh,
+    build_model,
+    build_rewards,
+    build_task,
+    start_distributed,
+)
+from jaxgrpo.run.runtime import DataStream, RunFiles, StopRequest, fault_point
+from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.schema import ConfigError, TrainConfig, unknown_key_error
+
+# ----------------------------------------------------------------------------------------------
+# The loop.
+
+
+def _prefixed(metrics: dict, prefix: str) -> dict:
+    return {k if k.startswith(prefix) else prefix + k: v for k, v in metrics.items()}
+
+
+class HeldOut:
+    """The held-out evaluation of a run: before training, every ``eval.every`` steps, at the end.
+
+    Each evaluation is printed as one line and returned as ``eval/*`` metrics, which the loop
+    writes into that step's metrics row (step 0: a row of its own).
+    """
+
+    def __init__(self, cfg: TrainConfig, learner: Any, task: Any, say: Any):
+        self.examples = list(task.eval_examples())[: cfg.task.num_eval]
+        self.learner, self.every, self.steps, self.say = learner, cfg.eval.every, cfg.steps, say
+        self.first: dict | None = None
+        self.last: dict | None = None
+
+    def due(self, step: int) -> bool:
+        """Whether completed step ``step`` (0 = before training) is evaluated."""
+        if not self.examples:
+            return False
+        return step in (0, self.steps) or (self.every > 0 and step % self.every == 0)
+
+    def __call__(self, state: Any, step: int) -> dict:
+        t0 = time.perf_counter()
+        metrics = self.learner.evaluate(state, self.examples)
+        label = "before training" if step == 0 else f"at step {step}"
+        self.say(eval_line(label, metrics, time.perf_counter() - t0))
+        self.first = self.first or metrics
+        self.last = metrics
+        return _prefixed(metrics, "eval/")
+
+
+def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Trains ``cfg.steps`` steps (resuming from ``cfg.run_dir`` when it holds a checkpoint).
+
+    Args:
+      cfg: the run.
+      parts: prebuilt ``{"learner", "task", "mesh"}`` (tests, notebooks); None builds them.
+
+    Returns:
+      The last step's metrics (with ``eval/*`` after the final step), ``{}`` if nothing ran.
+    """
+    t_run = time.perf_counter()
+    if parts is None:
+        start_distributed(cfg)  # before anything below starts JAX's backend
+        if jax.process_index() == 0:
+            console(f"building {cfg.model.source} for task {cfg.task.name} ...")
+        parts = build_parts(cfg)
+    process = jax.process_index()
+    say = console if process == 0 else (lambda *_: None)
+    learner, task = parts["learner"], parts["task"]
+    files = RunFiles(cfg.run_dir, process)
+    ckpt = Checkpointer(
+        files.join(cfg.run_dir, "checkpoints"),
+        every=cfg.checkpoint.every,
+        keep=cfg.checkpoint.keep,
+    )
+    state, start, cursor = _restore_or_init(cfg, learner, ckpt)
+    logger = _open_logger(cfg, files.local_dir, process, start)
+    data = DataStream(task, cfg.seed, cursor)
+    held_out = HeldOut(cfg, learner, task, say)
+    say(run_header(_header_info(cfg, learner, data, held_out, start)))
+    if start == 0 and held_out.due(0):
+        logger.log(0, held_out(state, 0))
+    bar = ProgressBar(cfg.steps, start, enabled=cfg.logging.progress and process == 0)
+    metrics: dict[str, Any] = {}
+    step = start
+    try:
+        with StopRequest() as stop:
+            while step < cfg.steps and not stop.agreed():
+                t0 = time.perf_counter()
+                # `draw` refills groups under dynamic sampling; it advances the same cursor.
+                examples = data.take(cfg.rl.prompts_per_step)
+                state, metrics, samples = learner.step(state, examples, draw=data.take)
+                step += 1
+                metrics = {**metrics, "time/step": time.perf_counter() - t0}
+                check_dead_run(step, metrics)
+                if held_out.due(step):
+                    metrics.update(held_out(state, step))
+                # Rows before the checkpoint: a run killed between the two resumes from the
+                # previous checkpoint, whose later rows the logger drops and the rerun writes
+                # again, so every step up to the last checkpoint is logged exactly once.
+                _record(cfg, logger, bar, step, metrics, samples)
+                fault_point("logged", step)
+                saved = ckpt.save(step, state, _meta(cfg, step, data))
+                if saved:
+                    files.upload()
+    finally:
+        _final_save(ckpt, step, start, state, _meta(cfg, step, data))
+        latest = ckpt.latest_step()
+        ckpt.close()
+        bar.close()
+        logger.close()
+        files.upload()
+    if process == 0 and step > start:
+        say(run_summary(_summary_info(cfg, files.local_dir, step, t_run, held_out, latest)))
+    return metrics
+
+
+def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
+    return {
+        "model": MODEL_ALIASES.get(cfg.model.source, cfg.model.source),
+        "params": learner.n_params,
+        "trainable": learner.n_trainable,
+        "lora_rank": cfg.model.lora_rank,
+        "task": cfg.task.name,
+        "train_size": data.size,
+        "eval_size": len(held_out.examples),
+        "prompts_per_step": cfg.rl.prompts_per_step,
+        "group_size": cfg.rl.group_size,
+        "steps": cfg.steps,
+        "devices": jax.device_count(),
+        "platform": jax.devices()[0].platform,
+        "mesh": dict(learner.mesh.shape),
+        "run_dir": cfg.run_dir,
+        "start": start,
+        "cache_dir": jax.config.jax_compilation_cache_dir,
+        "cache_off_why": cache_off_why(),
+    }
+
+
+def _summary_info(cfg, log_dir, step, t_run, held_out, latest) -> dict[str, Any]:
+    """What the closing summary names: files written, plots drawn now, the next commands."""
+    run_dir = cfg.run_dir
+    files = [("metrics", os.path.join(log_dir, "metrics.jsonl"))]
+    if cfg.logging.samples_every:
+        files.append(("samples", os.path.join(log_dir, "samples.jsonl")))
+    if cfg.logging.tensorboard:
+        files.append(("tensorboard", os.path.join(log_dir, "tensorboard")))
+    try:
+        pngs = plot.plot_runs([log_dir], os.path.join(log_dir, "plots"))
+        files.append(("plots", f"{pngs[0]} (and {len(pngs) - 1} more PNG)"))
+    except Exception as e:  # plots are a convenience: never fail a finished run over them
+        warn_once("plot/failed", f"could not draw the run's plots: {e}")
+    if latest is not None:
+        files.append(("checkpoints", f"{RunFiles.join(run_dir, 'checkpoints')} (step {latest})"))
+    commands = [
+        f"python -m jaxgrpo.plot {run_dir}",
+        f"python -m jaxgrpo.evaluate --checkpoint {run_dir} --base",
+        f"python -m jaxgrpo.export {run_dir} {RunFiles.join(run_dir, 'export')}",
+    ]
+    return {
+        "steps": step,
+        "seconds": time.perf_counter() - t_run,
+        "before": held_out.first,
+        "after": held_out.last,
+        "files": files,
+        "commands": commands,
+    }
+
+
+def _record(cfg: TrainConfig, logger, bar, step: int, metrics: dict, samples: list) -> None:
+    """Metrics (every ``logging.every`` steps and the last), samples, progress bar."""
+    if step % cfg.logging.every == 0 or step == cfg.steps:
+        logger.log(step, metrics)
+    every = cfg.logging.samples_every
+    if samples and every and step % every == 0:
+        logger.log_samples(step, samples)
+    bar.update(step, metrics)
+
+
+def _open_logger(cfg: TrainConfig, log_dir: str, process: int, start: int):
+    """Metrics sinks (lines of steps after ``start`` dropped) and the config snapshot."""
+    logger = MetricsLogger(
+        log_dir,
+        process,
+        tensorboard=cfg.logging.tensorboard,
+        wandb=cfg.logging.wandb,
+        wandb_project=cfg.logging.wandb_project,
+        config=cfg.to_dict(),
+        resume_step=start if start > 0 else -1,
+    )
+    if process == 0:
+        with open(os.path.join(log_dir, "config.json"), "w", encoding="utf-8") as f:
+            json.dump(cfg.to_dict(), f, indent=1)
+    return logger
+
+
+def _final_save(ckpt: Any, step: int, start: int, state: Any, meta: dict) -> None:
+    """Checkpoints the last completed step at exit; never masks the exception that ended the run."""
+    if step <= start:
+        return
+    try:
+        ckpt.save(step, state, meta, force=True)
+    except Exception as e:  # an interrupted step may have donated (deleted) the state
+        warn_once("checkpoint/exit", f"could not checkpoint step {step} at exit: {e!r}")
+
+
+def _meta(cfg: TrainConfig, step: int, data: Any) -> dict[str, Any]:
+    # Curricula and the temperature schedule are functions of the step, so the step (in the
+    # state and here) is their whole state; the data cursor is the rest.
+    return {"step": step, "data_cursor": data.position, "config": cfg.to_dict()}
+
+
+def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, int, int]:
+    """(state, completed steps, data cursor): from the latest checkpoint, or fresh."""
+    state = learner.init_state()
+    latest = ckpt.latest_step()
+    if latest is None:
+        return state, 0, 0
+    if not cfg.resume:
+        raise ConfigError(
+            f"config key 'resume' = False but {cfg.run_dir!r} already holds checkpoints "
+            f"(latest step {latest}); set --config.resume=True or choose another run_dir"
+        )
+    state, meta = ckpt.restore(state, latest)
+    return state, latest, int(meta["data_cursor"])
+
+
+def build_parts(cfg: TrainConfig) -> dict[str, Any]:
+    """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
+    start_distributed(cfg)
+    mesh = build_mesh(cfg)
+    # The data first: a missing file, row or package is reported in seconds, not after a load.
+    task = build_task(cfg.task)
+    task.eval_examples()
+    model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
+    rewards = build_rewards(cfg.rewards, model, tokenizer)
+    learner = Learner(cfg, model, tokenizer, task, rewards, mesh)
+    return {"learner": learner, "task": task, "mesh": mesh}
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line.
+
+
+def _config_value(argv: Sequence[str]) -> tuple[int, str | None]:
+    """(index in argv, value) of ``--config``/``-config`` (``=v`` or separate), or (-1, None)."""
+    for i, arg in enumerate(argv):
+        match = re.fullmatch(r"--?config(=(.*))?", arg)
+        if match:
+            if match.group(1) is not None:
+                return i, match.group(2)
+            return i, argv[i + 1] if i + 1 < len(argv) else None
+    return -1, None
+
+
+def resolve_argv(argv: Sequence[str]) -> list[str]:
+    """Rewrites ``--config NAME`` to a file path and checks every ``--config.a.b`` key exists.
+
+    Raises:
+      ConfigError: missing config file (listing the shipped ones) or unknown override key.
+    """
+    argv = list(argv)
+    i, value = _config_value(argv)
+    if value is None:
+        raise ConfigError(
+            "--config is required, e.g. --config format_copy; shipped configs: "
+            + ", ".join(config_lib.shipped_configs())
+        )
+    path = config_lib.resolve_config_path(value)
+    if argv[i].startswith("--config=") or argv[i].startswith("-config="):
+        argv[i] = f"--config={path}"
+    else:
+        argv[i + 1] = path
+    cfg = config_lib.load_config_dict(path)
+    for arg in argv:
+        match = re.match(r"--?(?:no)?config\.([^=]+)", arg)
+        if match and not match.group(1).startswith(config_lib.TASK_KWARGS):
+            parent, key = cfg, match.group(1)
+            for part in key.split("."):
+                if not hasattr(parent, "keys") or part not in parent:
+                    raise unknown_key_error(key, parent, part)
+                parent = parent[part]
+    return argv
+
+
+def split_task_kwargs(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """Takes ``--config.task.kwargs.<name>=<value>`` (or ``... <value>``) out of ``argv``.
+
+    The task's own arguments are not keys of the locked config file, so absl would reject
+    them; ``main`` sets them after parsing (``config.set_task_kwargs``) and validation checks
+    them against the task's fields.
+
+    Returns:
+      (the other arguments, ``{name: value text}``).
+    """
+    rest, kwargs, args = [], {}, list(argv)
+    prefix = re.compile(r"--?config\." + re.escape(config_lib.TASK_KWARGS) + r"(\w+)(=(.*))?$")
+    while args:
+        arg = args.pop(0)
+        match = prefix.match(arg)
+        if not match:
+            rest.append(arg)
+        elif match.group(2) is not None:
+            kwargs[match.group(1)] = match.group(3)
+        elif args:
+            kwargs[match.group(1)] = args.pop(0)
+        else:
+            raise ConfigError(f"{arg} needs a value")
+    return rest, kwargs
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """CLI entry: resolves the config, parses overrides with absl, validates, trains."""
+    prepare_cli()
+    argv = list(sys.argv if argv is None else argv)
+    try:
+        argv, task_kwargs = split_task_kwargs(argv)
+        argv = resolve_argv(argv)
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+    flag = config_flags.DEFINE_config_file(
+        "config", None, "config file or shipped config name", lock_config=True, sys_argv=argv
+    )
+
+    def _run(_):
+        if not any(re.match(r"--?(v|verbosity)(=|$)", a) for a in argv):
+            # orbax logs every save at INFO; keep the console to the progress bar and warnings.
+            absl_logging.set_verbosity(absl_logging.WARNING)
+        try:
+            config_lib.set_task_kwargs(flag.value, task_kwargs)
+            cfg = config_lib.to_train_config(flag.value)
+        except ConfigError as e:
+            sys.exit(f"error: {e}")
+        # Bad input found while running (a missing file, a malformed data row, a missing
+        # optional package, a reward that fails every sample): one line, no traceback.
+        with one_line_errors():
+            run(cfg)
+
+    def _parse(args):
+        try:
+            return flags.FLAGS(args)
+        except (flags.Error, TypeError, ValueError) as e:
+            sys.exit(f"error: {e}")
+
+    app.run(_run, argv=argv, flags_parser=_parse)
+
+
+if __name__ == "__main__":
+    main()
