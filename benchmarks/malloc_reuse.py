@@ -2,8 +2,8 @@
 
 `jaxgrpo.core.host.keep_freed_memory()` keeps glibc from unmapping freed large buffers, so the
 next allocation of the same size reuses them instead of faulting every page in again (the
-cause is in benchmarks/README.md, session 6). This prints, for each setting, whether the
-settings applied and the minor page faults of the third malloc-write-free of a 256 MiB
+cause is in benchmarks/README.md, "Keeping freed memory"). This prints, for each setting,
+whether the settings applied and the minor page faults of the third malloc-write-free of a 256 MiB
 buffer on a worker thread (as XLA:CPU allocates), against the buffer's page count:
 
     python benchmarks/malloc_reuse.py

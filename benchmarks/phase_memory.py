@@ -3,7 +3,7 @@
 `grpo_step.py` reports one peak per run (`ru_maxrss`). This runs jaxgrpo's side of the same
 workload (`grpo_step.jaxgrpo_config`) through `Learner.step`, samples the process's resident
 memory every 5 ms on a thread, and prints the peak of each phase of each step: sampling
-(`_collect`), the reference pass (`_prepare`), the update (`_optimize`), and the gaps between
+(`collect`), the reference pass (`prepare`), the update (`optimize`), and the gaps between
 them. Step 0 compiles.
 
     python benchmarks/phase_memory.py --task gsm8k --new-tokens 512 --variant full
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import grpo_step  # noqa: E402  (this folder's workload definitions)
 
-PHASES = {"_collect": "sampling", "_prepare": "reference", "_optimize": "update"}
+PHASES = {"collect": "sampling", "prepare": "reference", "optimize": "update"}
 
 
 class PhasePeaks:

@@ -2,8 +2,8 @@
 
 `grpo_step.py` measures whole steps; at 512 new tokens each one samples for most of a minute
 before the passes this script isolates. It samples one rollout of `grpo_step.py`'s workload
-(or loads one saved with `--save`), then runs the learner's reference pass (`_prepare`) and
-update (`_optimize`) on it `--repeats` times after a compiling run, and prints: the
+(or loads one saved with `--save`), then runs the learner's reference pass (`prepare`) and
+update (`optimize`) on it `--repeats` times after a compiling run, and prints: the
 completions' lengths, the packed layout (columns scored against real tokens), seconds per
 pass, the compiled update's memory (XLA's `memory_analysis`) and the peak RSS. Same rollout,
 so two trees or two settings compare exactly. `--ops N` then traces one more reference pass and
@@ -36,7 +36,7 @@ GB = 1e9
 
 def layout(learner, rollout) -> str:
     """The packed rows' width and how much of them real tokens fill."""
-    inputs, packing, _, t = learner._batch_inputs(rollout)
+    inputs, packing, _, t = learner.batch_inputs(rollout)
     lengths = rollout.mask.sum(axis=1)
     totals = lengths.reshape(-1, learner.rl.group_size).sum(axis=1)
     if packing is None:
@@ -56,9 +56,9 @@ def _compile_update(learner, state, batch):
     """The learner's update program for `batch`, compiled, and its micro-batch count."""
     import numpy as np
 
-    b, u = learner.rl.prompts_per_step, learner.micro_batches(batch)
-    idx = learner._replicate(np.arange(b, dtype=np.int32).reshape(u, b // u), np.int32)
-    return learner._update.lower(state, learner.frozen, batch, idx).compile(), u
+    b, u = learner.rl.prompts_per_step, learner.programs.micro_batches(batch)
+    idx = learner.programs.replicate(np.arange(b, dtype=np.int32).reshape(u, b // u), np.int32)
+    return learner.programs.update.lower(state, learner.programs.frozen, batch, idx).compile(), u
 
 
 def compiled_update(learner, state, batch) -> str:
@@ -139,9 +139,9 @@ def main() -> None:
             rollout = pickle.load(f)
     else:
         examples = grpo_step.examples(w.task, w.prompts)
-        key = learner._advance(state.step, state.rng)[2]
+        key = learner.programs.advance(state.step, state.rng)[2]
         t0 = time.perf_counter()
-        rollout, _ = learner._collect(state, examples, key, 0, None, step_metrics.Timer())
+        rollout, _ = learner.collect(state, examples, key, 0, None, step_metrics.Timer())
         print(f"sampled in {time.perf_counter() - t0:.1f} s (with compilation)", flush=True)
         if args.save:
             with open(args.save, "wb") as f:
@@ -150,12 +150,12 @@ def main() -> None:
     times: dict[str, list[float]] = {"reference": [], "update": []}
     for i in range(args.repeats + 1):
         timer = step_metrics.Timer()
-        batch, _ = learner._prepare(state, rollout, timer)
+        batch, _ = learner.prepare(state, rollout, timer)
         if i == 0:
             print(compiled_update(learner, state, batch), flush=True)
-        key = learner._advance(state.step, state.rng)[3]
+        key = learner.programs.advance(state.step, state.rng)[3]
         t0 = time.perf_counter()
-        state, metrics = learner._optimize(state, batch, key)
+        state, metrics = learner.optimize(state, batch, key)
         float(metrics["loss"])
         update = time.perf_counter() - t0
         print(
@@ -174,17 +174,20 @@ def main() -> None:
     if args.ops:
         import jax
 
-        ref = learner.reference(state)
-        inputs, packing, shared, _ = learner._batch_inputs(rollout)
-        scoring = (ref, learner.frozen, *inputs, packing, shared)
-        text = learner._logprobs.lower(*scoring).compile().as_text()
+        ref = learner.programs.reference(state)
+        inputs, packing, shared, _ = learner.batch_inputs(rollout)
+        scoring = (ref, learner.programs.frozen, *inputs, packing, shared)
+        text = learner.programs.logprobs.lower(*scoring).compile().as_text()
         top_ops(
-            lambda: jax.block_until_ready(learner._logprobs(*scoring)), text, "reference", args.ops
+            lambda: jax.block_until_ready(learner.programs.logprobs(*scoring)),
+            text,
+            "reference",
+            args.ops,
         )
         text = _compile_update(learner, state, batch)[0].as_text()
-        key = learner._advance(state.step, state.rng)[3]
+        key = learner.programs.advance(state.step, state.rng)[3]
         top_ops(
-            lambda: float(learner._optimize(state, batch, key)[1]["loss"]), text, "update", args.ops
+            lambda: float(learner.optimize(state, batch, key)[1]["loss"]), text, "update", args.ops
         )
 
 

@@ -166,12 +166,12 @@ def test_multi_host_parameter_shards_follow_the_rules(v5e16):
 
     cfg = config_lib.load_config("tiny", {"mesh.fsdp": 16, "rl.prompts_per_step": 4})
     learner = aot.abstract_learner(cfg, mesh, aot.model_config(cfg, "tpu"))
-    frozen = learner.frozen
+    frozen = learner.programs.frozen
     embed = frozen["embed"].get_value()
     assert embed.sharding.shard_shape(embed.shape) == (384, 64 // 16)
     q = frozen["layers"]["attn"]["q"]["kernel"].get_value()
     assert q.sharding.shard_shape(q.shape) == (2, 64 // 16, 4, 16)
-    lora_b = learner._params0["layers"]["attn"]["q"]["lora"]["lora_b"].get_value()
+    lora_b = learner.programs.params0["layers"]["attn"]["q"]["lora"]["lora_b"].get_value()
     assert lora_b.sharding.shard_shape(lora_b.shape) == lora_b.shape  # [L, R, N, H]: no embed
 
 

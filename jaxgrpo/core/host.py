@@ -19,7 +19,8 @@ from collections.abc import Mapping
 
 # XLA:CPU hands dots, reductions and elementwise fusions to its YNNPACK library by default;
 # its dots are fast but its reductions slow at our shapes, so only dots go to it (figures in
-# benchmarks/README.md). Only CPU compilations read the flag.
+# benchmarks/README.md, "XLA:CPU flags: dots to YNNPACK, reductions off it"). Only CPU
+# compilations read the flag.
 CPU_XLA_FLAGS = ("--xla_cpu_experimental_ynn_fusion_type=individual_dot",)
 
 
@@ -226,9 +227,10 @@ def keep_freed_memory() -> bool:
     them after it. glibc serves the large ones with `mmap` (always, from worker threads, whose
     arenas hold at most 64 MB) and returns them to the kernel on free, so every execution
     page-faults its whole working set in again (the system time this costs is measured in
-    `benchmarks/README.md`). The cost is that the process keeps its peak heap, until
-    `release_freed_memory` hands the free part back; that also runs after every compilation,
-    so the compiler's working memory does not stay under the new program's first run.
+    `benchmarks/README.md`, "Keeping freed memory"). The cost is that the process keeps its
+    peak heap, until `release_freed_memory` hands the free part back; that also runs after
+    every compilation, so the compiler's working memory does not stay under the new program's
+    first run.
 
     It sets one malloc arena for all threads, no `mmap` allocations, and no trimming of the
     heap. Call it first thing, before JAX (or torch) starts threads: an arena a thread already
@@ -286,7 +288,8 @@ def release_freed_memory() -> bool:
     program's buffers do not fit its holes the heap grows past them, so a step's peak becomes
     more than its largest phase. The learner calls this between the phases of a step (sampling,
     scoring, update): each phase faults its working set in once per step (about 70 ms per GiB
-    here), and the repeated executions within a phase still reuse it (benchmarks/README.md).
+    here), and the repeated executions within a phase still reuse it (benchmarks/README.md,
+    "Trimming the heap between phases").
 
     Returns:
         True if the heap was trimmed.

@@ -14,7 +14,7 @@ the loss fold the accumulator into its own gradient instead:
 Both are used by the policy loss when `make_update_fn` accumulates over micro-batches
 (`jaxgrpo.rl.objective.make_loss_fn`); the learner does so with unrolled layers or remat: a
 layer scan without remat stacks per-layer copies of residuals that JAX's own scan keeps once
-(benchmarks/README.md, "Session 17").
+(benchmarks/README.md, "Gradients added inside the backward pass").
 """
 
 from __future__ import annotations

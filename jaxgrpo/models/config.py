@@ -84,7 +84,7 @@ class ModelConfig:
         unroll_layers: run the stacked layers as an unrolled loop instead of `lax.scan`. The
             program is L copies of a layer (longer compile), but the backward pass writes no
             stacked [L, ...] residual and gradient buffers: faster for a full fine-tuning update
-            on XLA:CPU, slower with LoRA (benchmarks/README.md).
+            on XLA:CPU, slower with LoRA (benchmarks/README.md, "Unrolled layers").
         scan_decode: how the sampler's one-token steps run the layers: True scans stacked
             decode weights and a stacked cache (one layer body in the program, so a deep model
             compiles in a fraction of the time), False unrolls per-layer arrays (on XLA:CPU

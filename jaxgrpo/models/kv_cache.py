@@ -171,7 +171,7 @@ class LayerKVCache:
     def constrain(self, ctx: ShardingCtx | None) -> LayerKVCache:
         """The cache pinned to the activation rules, as `KVCache.constrain`. The completion
         part starts as zeros, which XLA would otherwise replicate on every chip (see
-        benchmarks/README.md, "Measurements behind code choices")."""
+        benchmarks/README.md, "The decode cache")."""
 
         def pin(axes):
             return lambda x, row_axis: shard_act(x, ("layers",) * row_axis + axes, ctx)

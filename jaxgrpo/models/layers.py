@@ -144,7 +144,7 @@ def project(x: Array, kernel: Array, n_in: int) -> Array:
     (the narrower [rows, in] operand for the MLP's up-projections) is transposed. The saved
     values are x and the kernel exactly as passed (not reshaped), so a layer scan reuses its
     per-layer weight slices in the backward pass instead of stacking a copy of them. Figures:
-    benchmarks/README.md, "Measurements behind code choices".
+    benchmarks/README.md, "Projection weight gradients".
     """
     return jnp.tensordot(x, kernel, axes=n_in)
 
@@ -362,7 +362,7 @@ def _attention_cpu(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt):
     their operands as XLA:CPU's matmul wants them ([rows, contracted] x [contracted or free
     minor]): the large score-shaped arrays are never transposed, only the narrow [T, H] ones.
     Autodiff instead copies the probabilities transposed and runs one of the dots outside
-    YNNPACK (benchmarks/README.md, grpo_step, session 20). Its residuals are the forward's
+    YNNPACK (benchmarks/README.md, "The attention backward on CPU"). Its residuals are the forward's
     unnormalised weights, their totals and the output, so the backward pass recomputes neither
     the scores nor the output."""
     return _softmax_attention(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, True)[0]
@@ -514,7 +514,7 @@ def banded_attend(
     prompt = (pk_BPKH.transpose(0, 2, 3, 1), pv_BPKH.transpose(0, 2, 1, 3), mask.prompt_BP)
     # The decode cache's layout (keys [R, K, H, S], values [R, K, S, H]): the score and value
     # dots then read their right-hand operands as [contracted, free], with no transposes of the
-    # scores (benchmarks/README.md, session 19).
+    # scores (benchmarks/README.md, "Heads-first key and value windows").
     out = attend(
         q_BLNH.reshape(b * blocks, w, n, h),
         block_window(k_BLKH),

@@ -156,7 +156,7 @@ _head_stats.defvjp(_head_stats_fwd, _head_stats_bwd, symbolic_zeros=True)
 
 # Rows x positions per logits block at least, on CPU: one packed row scored 64 positions at a
 # time ran the head's [64, 576] x [576, 49152] dots on XLA:CPU at about two thirds of the rate
-# of 256-row blocks (benchmarks/README.md, session 19).
+# of 256-row blocks (benchmarks/README.md, "LM-head blocks").
 HEAD_CHUNK_ROWS = 256
 
 

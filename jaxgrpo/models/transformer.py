@@ -261,8 +261,9 @@ class Transformer(nnx.Module):
         self.embed = nnx.Param(emb.astype(cfg.param_dtype), logical_axes=("vocab", "embed"))
         self.layers = Block(cfg, stack=(cfg.num_layers,), rngs=rngs)
         self.final_norm = RMSNorm(d, "embed", cfg.rms_norm_eps, param_dtype=cfg.param_dtype)
-        # The head is stored [V, D] like the embedding: XLA:CPU runs `x @ W.T` with W [V, D]
-        # faster than with W [D, V] at decode shapes (benchmarks/README.md).
+        # The head is stored [V, D] like the embedding it may be tied to: an [in, out] copy
+        # for the decode loop would cost a vocabulary-sized matrix more (benchmarks/README.md,
+        # "The LM head stored [V, D]").
         self.lm_head = (
             None
             if cfg.tie_embeddings

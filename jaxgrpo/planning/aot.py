@@ -27,15 +27,13 @@ from flax import nnx
 
 from jaxgrpo.core import presets, sharding
 from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
-from jaxgrpo.models import packing as packing_lib
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.planning import flops, memory
-from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.train_state import TrainState
+from jaxgrpo.rl.programs import abstract_array
 from jaxgrpo.sampling import sampler_programs
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
@@ -92,44 +90,6 @@ def abstract_learner(cfg: Any, mesh, model_cfg: ModelConfig) -> Learner:
     model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     model.shard_ctx = sharding.ShardingCtx(mesh, sharding.TRAIN_RULES)
     return Learner(cfg, model, tiny_tokenizer(), SimpleNamespace(name="abstract"), None, mesh)
-
-
-def _abstract(x, sharding_):
-    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding_)
-
-
-def _batch(learner: Learner, prompt_len: int, t: int) -> ro.RolloutBatch:
-    """The update's rollout batch at its largest: prompts [B, P], completions [N, T]."""
-    b, g = learner.rl.prompts_per_step, learner.rl.group_size
-    n = b * g
-    host = ro.RolloutBatch(
-        prompt_ids=np.zeros((b, prompt_len), np.int32),
-        prompt_mask=np.zeros((b, prompt_len), np.int32),
-        tokens=np.zeros((n, t), np.int32),
-        mask=np.zeros((n, t), np.int32),
-        temps=np.zeros((n, t), np.float32),
-        sampler_logp=np.zeros((n, t), np.float32),
-        old_logp=np.zeros((n, t), np.float32),
-        ref_logp=np.zeros((n, t), np.float32),
-        advantages=np.zeros((n,), np.float32),
-        packing=packing_lib.pack(np.full(n, t), g, t) if learner.rl.pack_completions else None,
-        shared_ids=np.zeros((1, 0), np.int32),
-    )
-    return jax.tree.map(_abstract, host, learner._batch_shardings())
-
-
-def _state(learner: Learner) -> TrainState:
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32)
-    abstract = TrainState(
-        params=learner._params0,
-        opt_state=jax.eval_shape(learner.optimizer.init, learner._params0),
-        step=scalar,
-        rng=key,
-        ref_params=learner._params0 if learner.ref_in_state else None,
-        skipped=scalar,
-    )
-    return jax.tree.map(lambda x, s: _abstract_like(x, s), abstract, learner.state_sh)
 
 
 def _abstract_like(x, sharding_):
@@ -200,19 +160,20 @@ def oom_bytes(message: str) -> tuple[int, int]:
 
 
 def _knobs(knobs, replicated):
-    return jax.tree.map(lambda x: _abstract(x, replicated), knobs)
+    return jax.tree.map(lambda x: abstract_array(x, replicated), knobs)
 
 
 def _sampler(learner, name, prompts, prompt_len, kwargs, devices) -> list[Program]:
     """Compiles one ``generate_from_state`` call's prefill and decode."""
-    mesh, cfg = learner.mesh, learner.model_cfg
-    ids = _abstract(
+    step, mesh = learner.programs, learner.mesh
+    cfg = step.model_cfg
+    ids = abstract_array(
         np.zeros((prompts, prompt_len), np.int32), sharding.batch_sharding(mesh, prompts, 2)
     )
-    prefill, decode, knobs = sampler_programs(learner.graphdef, cfg, ids, **kwargs)
-    knobs = _knobs(knobs, learner.replicated)
-    states = (learner._params0, learner.frozen)
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=learner.replicated)
+    prefill, decode, knobs = sampler_programs(step.graphdef, cfg, ids, **kwargs)
+    knobs = _knobs(knobs, step.replicated)
+    states = (step.params0, step.frozen)
+    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=step.replicated)
     n, t = prompts * kwargs.get("num_samples", 1), kwargs["max_new_tokens"]
     f = flops.prefill(cfg, prompts, prompt_len), flops.decode(cfg, n, prompt_len, t)
     f = (f[0], f[0]), (f[1], f[1])
@@ -223,7 +184,7 @@ def _sampler(learner, name, prompts, prompt_len, kwargs, devices) -> list[Progra
         state = jax.tree.map(_abstract_like, state, first.compiled.output_shardings)
     else:  # prefill did not fit: rows over data x fsdp, as the compiler would place them
         rows = lambda x: (
-            sharding.batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else learner.replicated
+            sharding.batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else step.replicated
         )  # noqa: E731
         state = jax.tree.map(lambda x: _abstract_like(x, rows(x)), state)
     decode_w = flops.weight_bytes(cfg) / mesh.shape["tensor"] * t  # read once per token
@@ -233,30 +194,31 @@ def _sampler(learner, name, prompts, prompt_len, kwargs, devices) -> list[Progra
 
 def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
     """Compiles the step's programs whose names start with one of ``wanted`` (None: all)."""
-    rl, cfg = learner.rl, learner.model_cfg
+    step, rl = learner.programs, learner.rl
+    cfg = step.model_cfg
     b, n, d = rl.prompts_per_step, rl.prompts_per_step * rl.group_size, learner.mesh.size
     want = lambda name: wanted is None or name.startswith(tuple(wanted))  # noqa: E731
     programs = []
     if want("sample"):
         programs += _sampler(learner, "sample", b, p, learner.sampler_kwargs(0), d)
-    batch = _batch(learner, p, t)
+    batch = step.abstract_batch(p, t)
     inputs = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask, batch.temps)
-    score = (learner._params0, learner.frozen, *inputs, batch.packing, batch.shared_ids)
-    passes = int(learner.needs_ref) + int(learner.old_from == "forward")
+    score = (step.params0, step.frozen, *inputs, batch.packing, batch.shared_ids)
+    passes = int(step.needs_ref) + int(step.old_from == "forward")
     w = flops.weight_bytes(cfg) / d
     if passes and want("score"):
         f = (flops.score(cfg, b, p, n, t),) * 2
-        programs.append(_compile("score (ref/old)", learner._logprobs, score, passes, f, w))
+        programs.append(_compile("score (ref/old)", step.logprobs, score, passes, f, w))
     if want("update"):
-        u = learner.micro_batches(batch)
+        u = step.micro_batches(batch)
         idx = jax.ShapeDtypeStruct(
-            (u, b // (rl.num_minibatches * u)), jnp.int32, sharding=learner.replicated
+            (u, b // (rl.num_minibatches * u)), jnp.int32, sharding=step.replicated
         )
         shape = (b // rl.num_minibatches, p, n // rl.num_minibatches, t)
         f = flops.update(cfg, *shape), flops.update(cfg.replace(remat=False), *shape)
-        args = (_state(learner), learner.frozen, batch, idx)
+        args = (step.abstract_state(), step.frozen, batch, idx)
         calls = rl.ppo_epochs * rl.num_minibatches
-        programs.append(_compile("update", learner._update, args, calls, f, 3 * w))
+        programs.append(_compile("update", step.update, args, calls, f, 3 * w))
     if want("eval"):
         tok = learner.tokenizer
         # The arguments of jaxgrpo.rl.held_out.evaluate's generate_from_state call.
@@ -302,8 +264,8 @@ def compile_step(
         prompt_len=p,
         max_new_tokens=t,
         sample_rules=sharding.rules_name(rules),
-        updates_per_step=learner.updates_per_step,
-        old_logp=learner.old_from,
+        updates_per_step=learner.programs.updates_per_step,
+        old_logp=learner.programs.old_from,
         remat=model_cfg.remat,
         remat_policy=model_cfg.remat_policy,
         unroll_layers=model_cfg.unroll_layers,

@@ -1,7 +1,8 @@
 """Memory per device of a GRPO run: parameters, optimizer state, KV cache, activations.
 
 ``python -m jaxgrpo.memory --config gsm8k_hard.py --preset v5e-8`` prints the estimate for one
-run on one slice; ``--table`` prints which model sizes fit on which slices (the README table).
+run on one slice; ``--table`` prints which model sizes fit on which slices (launch/README.md's
+table).
 
 The estimate is arithmetic on the model's shapes, with no model built:
 
@@ -33,7 +34,8 @@ activations are an order-of-magnitude figure (XLA fuses and reuses buffers), che
 XLA's own buffer assignment within a stated factor. For the compiler's own per-program figures
 on a real slice, use ``python -m jaxgrpo.compile``; at gsm8k_hard's sizes the compiled update
 is larger than this estimate's update phase, which is a lower bound there
-(``benchmarks/memory_vs_compiled.py`` and its table in benchmarks/README.md).
+(``benchmarks/memory_vs_compiled.py``; benchmarks/README.md, "The memory estimate against
+the compiler").
 """
 
 from __future__ import annotations

@@ -32,9 +32,9 @@ def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, fl
     tok = learner.tokenizer
     messages = [ex["messages"] for ex in examples]
     out = complete(
-        learner.graphdef,
-        (state.params, learner.frozen),
-        learner.model_cfg,
+        learner.programs.graphdef,
+        (state.params, learner.programs.frozen),
+        learner.programs.model_cfg,
         tok,
         messages,
         learner.mesh,

@@ -69,6 +69,29 @@ class ObjectiveSpec:
     top_entropy_frac: float | None = None
     kl_bias_correction: bool = False
 
+    @classmethod
+    def from_config(cls, rl, sampling, *, use_old_logp: bool) -> ObjectiveSpec:
+        """The loss of a run: its ``RLConfig`` (``rl``, where 0 turns an option off) and the
+        sampler's ``max_new_tokens`` (Dr. GRPO's constant); ``use_old_logp`` is the learner's
+        choice (several updates per rollout)."""
+        return cls(
+            group_size=rl.group_size,
+            loss_type=rl.loss_type,
+            eps_low=rl.eps_low,
+            eps_high=rl.eps_high,
+            beta=0.0 if rl.kl_in_reward else rl.beta,
+            kl_estimator=rl.kl_estimator,
+            kl_bias_correction=rl.kl_bias_correction,
+            ratio_cap=rl.ratio_cap or None,
+            dual_clip=rl.dual_clip or None,
+            top_entropy_frac=rl.top_entropy_frac or None,
+            entropy_coef=rl.entropy_coef,
+            tis_cap=rl.tis_cap,
+            use_old_logp=use_old_logp,
+            use_ref_logp=rl.beta > 0 and not rl.kl_in_reward,
+            max_completion_length=sampling.max_new_tokens,
+        )
+
 
 def group_rows(idx_M: Array, group_size: int) -> Array:
     """Row indices [M * G] of the completions of groups `idx_M` [M]."""

@@ -120,7 +120,7 @@ def sum_of_squares(x: Array) -> Array:
     reductions, far below memory speed. Adding the k slices of the leading axis elementwise
     (one fused loop, vectorised) runs at memory speed and leaves an array k times smaller; this
     repeats down to a small array, which `jnp.sum` finishes (figures in benchmarks/README.md,
-    `grpo_step.py` session 8). Only leading axes are split, so every other axis keeps its
+    "The gradient norm"). Only leading axes are split, so every other axis keeps its
     sharding. The rounding differs from `jnp.sum` only in the order of the additions.
     """
     x, squared = x.astype(jnp.float32), False

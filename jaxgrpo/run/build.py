@@ -72,7 +72,7 @@ def unroll_layers(spec: config_lib.ModelSpec) -> bool:
     """Resolves ``model.layer_loop``: "auto" unrolls for full fine-tuning on CPU without remat,
     where the unrolled update is faster, and keeps the scan otherwise: it slows LoRA's update,
     and with remat the scan's gradients accumulate in place where the unrolled layers' are
-    concatenated (figures in benchmarks/README.md, ``model.layer_loop``)."""
+    concatenated (figures in benchmarks/README.md, "Unrolled layers")."""
     if spec.layer_loop != "auto":
         return spec.layer_loop == "unroll"
     return spec.lora_rank == 0 and not spec.remat and jax.default_backend() == "cpu"

@@ -41,7 +41,7 @@ from jaxgrpo.settings.schema import ConfigError, TrainConfig
 # jaxgrpo/studies: the shipped study files (they import this module, so it cannot import them).
 STUDIES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies")
 _LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
-ARM_STATE = "study_arm.json"  # per arm: training wall time, summed over sessions
+ARM_STATE = "study_arm.json"  # per arm: training wall time, summed over resumptions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +218,8 @@ def train_arm(cfg: TrainConfig) -> dict[str, Any]:
     """Trains one arm to ``cfg.steps`` (skipped when done, resumed when interrupted).
 
     Returns:
-      ``{"step", "train_seconds", "skipped"}``; ``train_seconds`` sums every session's wall time.
+      ``{"step", "train_seconds", "skipped"}``; ``train_seconds`` sums the wall time of
+      every resumption.
 
     Raises:
       UserError: the run stopped before its last step (SIGTERM, Ctrl-C); rerunning resumes it.

@@ -162,8 +162,8 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
 def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
     return {
         "model": MODEL_ALIASES.get(cfg.model.source, cfg.model.source),
-        "params": learner.n_params,
-        "trainable": learner.n_trainable,
+        "params": learner.programs.n_params,
+        "trainable": learner.programs.n_trainable,
         "lora_rank": cfg.model.lora_rank,
         "task": cfg.task.name,
         "train_size": data.size,

@@ -225,11 +225,11 @@ def auto_compact_rows(
     A GRPO batch's completions have a long tail (format_copy: mean 11 of 32 tokens, but most
     batches have a row that runs to 32), so most decode steps would run finished rows. Each
     level compiles another copy of the decode loop; a step's cost falls with its rows, so the
-    last straggler runs alone (figures: benchmarks/README.md). With long budgets completions
-    spread over hundreds of steps (gsm8k at 512 tokens: half the rows stop by about token 260,
-    a quarter run past 450), so the R / 2 level's steps outweigh its compilation. The
-    compacted rows must still split evenly over the ``devices`` the rows are sharded over
-    (default: every device).
+    last straggler runs alone (figures: benchmarks/README.md, "Compaction levels"). With long
+    budgets completions spread over hundreds of steps (gsm8k at 512 tokens: half the rows stop
+    by about token 260, a quarter run past 450), so the R / 2 level's steps outweigh its
+    compilation. The compacted rows must still split evenly over the ``devices`` the rows are
+    sharded over (default: every device).
     """
     if not rows_can_stop_early or n < 16:
         return ()

@@ -102,7 +102,7 @@ def categorical(
     """Exact draw from ``softmax(x_RV)`` per row, in two levels to save random numbers.
 
     A Gumbel-max draw over all V tokens of every row costs more than the model's step on CPU
-    (benchmarks/README.md, "Measurements behind code choices"). We draw a block of 256 tokens
+    (benchmarks/README.md, "Two-level categorical draw"). We draw a block of 256 tokens
     from the blocks' total masses, then a token inside the block: P(block) * P(token | block)
     is the same distribution with V / 256 + 256 random numbers per row.
 

@@ -178,7 +178,7 @@ def test_off_policy_options_step():
             "rl.dynamic_sampling_max_draws": 3,
         },
     )
-    assert learner.old_from == "forward", "TIS needs the trainer's behaviour log-probs"
+    assert learner.programs.old_from == "forward", "TIS needs the trainer's behaviour log-probs"
     stream = iter(task.train_examples(0))
     drawn = []
 
@@ -234,9 +234,9 @@ def test_trimmed_and_packed_scoring_change_nothing(monkeypatch):
     rollout.stop_reason = np.ones(b * g, np.int32)
 
     def one_update(state):
-        batch, _ = learner._prepare(state, rollout)
-        k_shuffle = learner._advance(state.step, state.rng)[3]
-        state, _ = learner._optimize(state, batch, k_shuffle)
+        batch, _ = learner.prepare(state, rollout)
+        k_shuffle = learner.programs.advance(state.step, state.rng)[3]
+        state, _ = learner.optimize(state, batch, k_shuffle)
         return batch.tokens.shape[1], host_params(state)
 
     state0 = learner.init_state()
@@ -244,8 +244,8 @@ def test_trimmed_and_packed_scoring_change_nothing(monkeypatch):
     width, trimmed = one_update(copy(state0))
     monkeypatch.setattr(ro, "completion_bucket", lambda lengths, t, buckets=None: t)
     full_width, full = one_update(copy(state0))
-    learner.rl = dataclasses.replace(learner.rl, pack_completions=True)
-    learner._build_programs()
+    learner.rl = learner.programs.rl = dataclasses.replace(learner.rl, pack_completions=True)
+    learner.programs.build()
     packed_width, packed = one_update(copy(state0))
     assert (width, full_width, packed_width) == (8, t_max, t_max)
     moved = max(float(np.abs(a - b).max()) for a, b in zip(full, host_params(state0), strict=True))
@@ -272,9 +272,9 @@ def test_sharing_the_prompts_common_prefix_changes_nothing():
         rollout.prompt_ids[i, -len(row) :], rollout.prompt_mask[i, -len(row) :] = row, 1
 
     def one_update(state):
-        batch, _ = learner._prepare(state, rollout)
-        k_shuffle = learner._advance(state.step, state.rng)[3]
-        state, _ = learner._optimize(state, batch, k_shuffle)
+        batch, _ = learner.prepare(state, rollout)
+        k_shuffle = learner.programs.advance(state.step, state.rng)[3]
+        state, _ = learner.optimize(state, batch, k_shuffle)
         return batch.shared_ids.shape, to_host(batch.ref_logp), host_params(state)
 
     state0 = learner.init_state()
@@ -339,8 +339,10 @@ def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
     # Adam's epsilon at 1e-6 instead of 1e-8: see the untouched rows below.
     full = {"model.lora_rank": 0, "rl.beta": 0.04, "optim.eps": 1e-6}
     learner, task = make_learner({"data": 1}, jax.devices()[:1], **full)
-    assert not learner.lora and learner.needs_ref
-    assert learner.n_trainable == learner.n_params, "full fine-tuning trains every weight"
+    assert not learner.programs.lora and learner.programs.needs_ref
+    assert learner.programs.n_trainable == learner.programs.n_params, (
+        "full fine-tuning trains every weight"
+    )
     examples = list(task.train_examples(0))[:2]
     state = learner.init_state()
     p0 = host_params(state)
@@ -348,7 +350,7 @@ def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
     assert metrics["reward/std"] > 0 and metrics["grad_norm"] > 0
     p1 = host_params(state)
     assert state.ref_params is None, "full fine-tuning without resets keeps no reference copy"
-    ref = [to_host(x) for x in jax.tree.leaves(learner.reference(state))]
+    ref = [to_host(x) for x in jax.tree.leaves(learner.programs.reference(state))]
     assert len(p1) == len(p0) == len(ref)
     moved = [float(np.abs(a - b).max()) for a, b in zip(p1, p0, strict=True)]
     assert min(moved) > 0, f"every weight must move under full fine-tuning; max |delta|: {moved}"
@@ -382,16 +384,16 @@ def test_full_fine_tuning_reference_reset_keeps_its_copy_in_the_state():
     makes it the policy as step 0 left it."""
     full = {"model.lora_rank": 0, "rl.beta": 0.04, "rl.ref_reset_every": 1}
     learner, task = make_learner({"data": 1}, jax.devices()[:1], **full)
-    assert learner.ref_in_state
+    assert learner.programs.ref_in_state
     examples = list(task.train_examples(0))[:2]
     state = learner.init_state()
     p0 = host_params(state)
-    for got, want in zip(jax.tree.leaves(learner.reference(state)), p0, strict=True):
+    for got, want in zip(jax.tree.leaves(learner.programs.reference(state)), p0, strict=True):
         np.testing.assert_array_equal(to_host(got), want)
     state, _, _ = learner.step(state, examples)
     p1 = host_params(state)
     state, _, _ = learner.step(state, examples)  # resets the reference first
-    ref = [to_host(x) for x in jax.tree.leaves(learner.reference(state))]
+    ref = [to_host(x) for x in jax.tree.leaves(learner.programs.reference(state))]
     for got, want in zip(ref, p1, strict=True):
         np.testing.assert_array_equal(got, want)
     assert max(float(np.abs(r - a).max()) for r, a in zip(ref, p0, strict=True)) > 0
@@ -463,10 +465,10 @@ def test_micro_batch_gradients_add_into_the_accumulator_inside_the_backward_pass
     (float32; summed in another order, so rtol 1e-5)."""
     learner, task = make_learner({"data": 1}, jax.devices()[:1], **variant)
     state = learner.init_state()
-    rollout, _ = learner._collect(
+    rollout, _ = learner.collect(
         state, list(task.train_examples(0))[:2], jax.random.key(0), 0, None, step_metrics.Timer()
     )
-    batch, _ = learner._prepare(state, rollout)
+    batch, _ = learner.prepare(state, rollout)
     # Nudge every weight (LoRA's B starts at zero, which would leave A without a gradient).
     leaves, treedef = jax.tree.flatten(state.params)
     keys = jax.random.split(jax.random.key(1), len(leaves))
@@ -474,8 +476,8 @@ def test_micro_batch_gradients_add_into_the_accumulator_inside_the_backward_pass
         x + 1e-2 * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys, strict=True)
     ]
     params = treedef.unflatten(nudged)
-    loss_fn = make_loss_fn(learner.graphdef, learner.objective)
-    grad = jax.jit(jax.grad(lambda p, *a: loss_fn(p, learner.frozen, batch, *a)[0]))
+    loss_fn = make_loss_fn(learner.programs.graphdef, learner.programs.objective)
+    grad = jax.jit(jax.grad(lambda p, *a: loss_fn(p, learner.programs.frozen, batch, *a)[0]))
     whole = jnp.array([[0, 1]], jnp.int32)
     want = grad(params, whole[0], whole)
     split = jnp.array([[0], [1]], jnp.int32)

@@ -34,14 +34,14 @@ def annealed_run():
     }
     learner, task = make_learner({"data": 1}, jax.devices()[:1], **overrides)
     rollouts, params = [], []
-    prepare = learner._prepare
+    prepare = learner.prepare
 
     def recording_prepare(state, rollout, *timer):
         rollouts.append(rollout)
         params.append(jax.tree.map(jnp.copy, state.params))  # the update donates the state
         return prepare(state, rollout, *timer)
 
-    learner._prepare = recording_prepare
+    learner.prepare = recording_prepare
     state = learner.init_state()
     examples = list(task.train_examples(0))
     history = []
@@ -84,7 +84,7 @@ def test_update_gradient_equals_the_one_from_log_softmax_of_logits_over_token_te
     n_R = np.maximum(mask_RT.sum(1), 1.0)
 
     def loss(trainable):
-        model = nnx.merge(learner.graphdef, trainable, learner.frozen)
+        model = nnx.merge(learner.programs.graphdef, trainable, learner.programs.frozen)
         logits_RSV = model(jnp.asarray(ids_RS), jnp.asarray(mask_RS)).astype(jnp.float32)
         logits_RTV = logits_RSV[:, p - 1 : -1] / jnp.asarray(rollout.temps)[..., None]
         logp_RTV = jax.nn.log_softmax(logits_RTV, axis=-1)
