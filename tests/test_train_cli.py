@@ -5,6 +5,7 @@ import os
 import signal
 import subprocess
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +69,7 @@ class _ToyLearner:
     or restores the key wrongly, changes it.
     """
 
-    n_params, n_trainable = 3, 3
+    programs = types.SimpleNamespace(n_params=3, n_trainable=3)
 
     def __init__(self, stop_at=None):
         self.seen, self.stop_at = [], stop_at

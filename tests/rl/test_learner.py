@@ -20,8 +20,8 @@ from jaxgrpo.data import get_task
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl import step_metrics
-from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.objective import make_loss_fn
+from jaxgrpo.rl.programs import StepPrograms
 from jaxgrpo.settings.schema import load_config
 
 PARAM_ATOL = 1e-5  # float32; 8 devices reduce the same sums in a different order
@@ -372,7 +372,7 @@ def test_full_fine_tuning_step_trains_every_weight_against_a_frozen_reference():
         untouched = want == init
         np.testing.assert_allclose(got[~untouched], want[~untouched], atol=PARAM_ATOL)
         assert np.abs(got - want)[untouched].max(initial=0.0) < noise_step
-    for got, want in zip(jax.tree.leaves(learner8.reference(state8)), p0, strict=True):
+    for got, want in zip(jax.tree.leaves(learner8.programs.reference(state8)), p0, strict=True):
         np.testing.assert_array_equal(to_host(got), want)
     for key in ("reward/mean", "loss", "grad_norm", "entropy"):
         assert metrics8[key] == pytest.approx(metrics[key], rel=1e-4, abs=1e-6), key
@@ -438,14 +438,14 @@ def test_micro_batches_keep_rows_split_over_the_devices(overrides, width, want):
     base = {"run_dir": "/tmp/unused", "rl.prompts_per_step": 16, "rl.group_size": 8}
     cfg = load_config("tiny.py", {**base, "mesh.data": 2, "mesh.fsdp": 2, **overrides})
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
-    learner = types.SimpleNamespace(rl=cfg.rl, mesh=mesh)
+    programs = types.SimpleNamespace(rl=cfg.rl, mesh=mesh)
     packed = cfg.rl.pack_completions
     batch = types.SimpleNamespace(
         prompt_ids=jax.ShapeDtypeStruct((16, 100), jnp.int32),
         tokens=jax.ShapeDtypeStruct((128, width - 100), jnp.int32),
         packing=types.SimpleNamespace(src_BL=np.zeros((16, width - 100))) if packed else None,
     )
-    assert Learner.micro_batches(learner, batch) == want
+    assert StepPrograms.micro_batches(programs, batch) == want
 
 
 @pytest.mark.parametrize(
