@@ -102,9 +102,10 @@ def bounded(seconds: float, max_memory_gb: float = 0.0) -> Iterator[None]:
     dog = _Watchdog(seconds, growth)
 
     def interrupt(signum, frame):
-        del signum, frame
         if dog.armed and dog.why is not None:
             raise RewardLimitExceeded(dog.why)
+        if callable(previous):  # not the watchdog's: whoever handled it before still does
+            previous(signum, frame)
 
     previous = signal.signal(_SIGNAL, interrupt)
     dog.start()
