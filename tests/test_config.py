@@ -9,6 +9,7 @@ from ml_collections import ConfigDict
 
 from jaxgrpo.configs import base
 from jaxgrpo.configs.base import JUDGE_PROMPT
+from jaxgrpo.planning import aot
 from jaxgrpo.rl.losses import LOSS_PRESETS
 from jaxgrpo.run.build import build_model, unroll_layers
 from jaxgrpo.settings import schema as config_lib
@@ -217,3 +218,13 @@ def test_piecewise_and_position_schedules_load():
     )
     assert cfg.sampling.temperature_schedule.levels == (1.2, 1.0, 0.7)
     assert cfg.sampling.position_schedule.kind == "linear"
+
+
+def test_the_trainer_and_the_compiler_resolve_the_layer_loop_alike():
+    """`jaxgrpo.compile` builds its model config with the rule the trainer uses: full
+    fine-tuning with remat keeps the scan on a CPU topology too."""
+    for overrides in ({"lora_rank": 0, "remat": False}, {"lora_rank": 0}, {"lora_rank": 8}):
+        cfg = load_config("tiny", {f"model.{k}": v for k, v in overrides.items()})
+        assert aot.model_config(cfg, "cpu").unroll_layers == unroll_layers(cfg.model), overrides
+    cfg = load_config("tiny", {"model.lora_rank": 0, "model.remat": False})
+    assert not aot.model_config(cfg, "tpu").unroll_layers, "auto unrolls on CPU only"

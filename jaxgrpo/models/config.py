@@ -235,3 +235,14 @@ class ModelConfig:
         if self.arch == "qwen3":
             hf["attention_bias"] = False
         return hf
+
+
+def unrolls_layers(layer_loop: str, lora_rank: int, remat: bool, platform: str) -> bool:
+    """Resolves ``model.layer_loop`` for a run compiled for ``platform``: "auto" unrolls for
+    full fine-tuning on CPU without remat, where the unrolled update is faster, and keeps the
+    scan otherwise: it slows LoRA's update, and with remat the scan's gradients accumulate in
+    place where the unrolled layers' are concatenated (benchmarks/README.md, "Unrolled
+    layers"). The trainer and ``jaxgrpo.compile`` both resolve it here."""
+    if layer_loop != "auto":
+        return layer_loop == "unroll"
+    return lora_rank == 0 and not remat and platform == "cpu"

@@ -27,7 +27,7 @@ from flax import nnx
 
 from jaxgrpo.core import presets, sharding
 from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
-from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.config import LoRAConfig, ModelConfig, unrolls_layers
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
@@ -65,14 +65,12 @@ def topology_devices(preset: presets.Preset) -> list:
 
 def model_config(cfg: Any, platform: str) -> ModelConfig:
     """The run's ``ModelConfig`` from its model section, with the layer loop the trainer picks
-    on ``platform`` (``model.layer_loop = "auto"`` unrolls full fine-tuning on CPU only)."""
+    on ``platform`` (``jaxgrpo.models.config.unrolls_layers``)."""
     m = cfg.model
     lora = None
     if m.lora_rank > 0:
         lora = LoRAConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
-    unroll = m.layer_loop == "unroll" or (
-        m.layer_loop == "auto" and m.lora_rank == 0 and platform == "cpu"
-    )
+    unroll = unrolls_layers(m.layer_loop, m.lora_rank, m.remat, platform)
     return memory.model_config(
         m.source,
         lora=lora,

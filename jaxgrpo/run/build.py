@@ -24,7 +24,7 @@ from jaxgrpo.core import sharding
 from jaxgrpo.core.host import initialize_distributed
 from jaxgrpo.data import TASKS, get_task
 from jaxgrpo.models import load_model
-from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.config import LoRAConfig, unrolls_layers
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
@@ -69,13 +69,8 @@ def smollm2_path() -> str:
 
 
 def unroll_layers(spec: config_lib.ModelSpec) -> bool:
-    """Resolves ``model.layer_loop``: "auto" unrolls for full fine-tuning on CPU without remat,
-    where the unrolled update is faster, and keeps the scan otherwise: it slows LoRA's update,
-    and with remat the scan's gradients accumulate in place where the unrolled layers' are
-    concatenated (figures in benchmarks/README.md, "Unrolled layers")."""
-    if spec.layer_loop != "auto":
-        return spec.layer_loop == "unroll"
-    return spec.lora_rank == 0 and not spec.remat and jax.default_backend() == "cpu"
+    """``model.layer_loop`` resolved for this process's backend (``unrolls_layers``)."""
+    return unrolls_layers(spec.layer_loop, spec.lora_rank, spec.remat, jax.default_backend())
 
 
 def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
