@@ -1,6 +1,6 @@
 """Measured seconds beside `python -m jaxgrpo.compile`'s roofline estimate, on this machine.
 
-Issue 18's accelerator check: `gsm8k_hard`'s step (16 prompts x 8 samples, 512 new tokens,
+The accelerator check: `gsm8k_hard`'s step (16 prompts x 8 samples, 512 new tokens,
 bfloat16, LoRA r16; the bundled GSM8K fixture prompts) with random weights of `--model`, on the
 local devices of `--preset`. It first compiles the step's programs through
 `jaxgrpo.planning.compile.compile_config` (memory, FLOPs and the estimate per program, as the

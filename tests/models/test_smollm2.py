@@ -2,7 +2,7 @@
 
 transformers dequantizes the GGUF with its own code and undoes llama.cpp's q/k permutation its
 own way, so equal tensors check our dequantization and unpermutation, and matching logits check
-the whole path. Tolerances (issue 2): logits within relative 1e-3 (max |diff| / max |ref| over
+the whole path. Tolerances: logits within relative 1e-3 (max |diff| / max |ref| over
 unpadded positions) and argmax agreement >= 99% there.
 """
 
