@@ -1,8 +1,8 @@
 """Matmul rate at decode shapes: XLA:CPU (jaxgrpo's flags) against PyTorch, float32.
 
 A decode step multiplies B = 32 rows by every weight of the model, so the rate of these skinny
-matmuls, not that of a large square one, bounds how fast a step can be (a CPU's quoted rate is a large
-square one's). This prints GFLOP/s for `[B, D] x [D, N]` at SmolLM2-135M's
+matmuls, not that of a large square one, bounds how fast a step can be (a CPU's quoted rate
+is a large square one's). This prints GFLOP/s for `[B, D] x [D, N]` at SmolLM2-135M's
 projection shapes (and its LM head), each timed as the best of `--repeats` calls:
 
     python benchmarks/matmul_rate.py [--batch 32] [--repeats 20]
