@@ -151,7 +151,7 @@ class Learner:
             eos_ids=tok.eos_ids,
             num_samples=self.rl.group_size,
             repetition_ngram=sp.repetition_guard[0],
-            repetition_count=max(sp.repetition_guard[1], 1),
+            repetition_count=sp.repetition_guard[1],  # the sampler holds it at >= 2
             pad_id=tok.pad_id,
         )
 
