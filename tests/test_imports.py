@@ -120,6 +120,7 @@ LAYERS = (
     ("data", "models"),
     ("sampling",),
     ("rewards",),
+    ("agents",),
     ("eval",),
     ("rl",),
     ("settings",),

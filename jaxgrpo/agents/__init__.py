@@ -1,0 +1,78 @@
+"""Tool use over several turns, host side: tools, their schemas, call formats, episode records.
+
+jaxgrpo trains agents the way TRL's ``GRPOTrainer`` does: users bring stateless tool functions
+(``tools=[fn, ...]``) and/or an environment class (``environment_factory``: one instance per
+rollout; ``reset(**columns)``, ``get_reward()``, every other public method a tool). This package
+is the part of that feature that is plain Python, with no JAX and no tokenizer:
+
+- ``schema``: a function's JSON schema from its type hints and Google-style docstring, as
+  ``transformers.utils.get_json_schema`` builds it; what the model is told and what its
+  arguments are checked against.
+- ``tools``: ``Toolbox``, the tools of one rollout; ``Toolbox.call`` never raises: every failure
+  (malformed call, unknown tool, bad arguments, an exception, a timeout, an oversized result, a
+  result with control tokens) becomes an error message the model reads and a counted error kind.
+  Also the environment contract (``environment_tools``, ``reset_environment``,
+  ``environment_reward``).
+- ``formats``: how calls are written and results rendered (``json``: Qwen's ``<tool_call>``;
+  ``llama3``: Llama 3.1's JSON turn and ``ipython`` message; ``tag``: ``<calc>..</calc>`` answered
+  in the same turn), each matching its chat template's text, so the appended result tokens are
+  those the template would produce.
+- ``episode``: the record of one rollout's turns, its TRL conversational form (for reward
+  functions) and the step's ``agent/...`` metrics.
+- ``calculator``: ``calc``, the arithmetic tool of the tool-use study.
+
+The rollout that drives it (sampling a turn, parsing it, calling, tokenizing the rendered result
+with loss mask 0, truncating it to ``max_tool_tokens``, stopping after
+``max_tool_calling_iterations``) belongs to the sampler; the sampled ids are trained on as
+sampled, never re-tokenized from this package's text.
+"""
+
+from __future__ import annotations
+
+from jaxgrpo.agents.calculator import calc
+from jaxgrpo.agents.episode import Episode, Turn, metrics, with_observation
+from jaxgrpo.agents.formats import (
+    FORMATS,
+    JsonFormat,
+    Llama3Format,
+    TagFormat,
+    ToolCall,
+    ToolFormat,
+    detect_format,
+    get_format,
+)
+from jaxgrpo.agents.schema import ToolError, tool_schema
+from jaxgrpo.agents.tools import (
+    ERROR_KINDS,
+    Toolbox,
+    ToolResult,
+    contains_control_tokens,
+    environment_reward,
+    environment_tools,
+    reset_environment,
+)
+
+__all__ = [
+    "ERROR_KINDS",
+    "FORMATS",
+    "Episode",
+    "JsonFormat",
+    "Llama3Format",
+    "TagFormat",
+    "ToolCall",
+    "ToolError",
+    "ToolFormat",
+    "ToolResult",
+    "Toolbox",
+    "Turn",
+    "calc",
+    "contains_control_tokens",
+    "detect_format",
+    "environment_reward",
+    "environment_tools",
+    "get_format",
+    "metrics",
+    "reset_environment",
+    "tool_schema",
+    "with_observation",
+]
