@@ -20,6 +20,47 @@ import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# The quick tier (`pytest -m quick`, a few minutes on 2 cores) for local work: the modules that
+# check host code, configs and the numerics of single functions against their references, and
+# build no learner, run no CLI and compile no sampler. Every test still runs in the full suite.
+QUICK_MODULES = (
+    "agents/",
+    "data/test_arithmetic.py",
+    "data/test_format_copy_curriculum.py",
+    "data/test_loaders.py",
+    "data/test_tasks.py",
+    "models/test_kernels.py",
+    "models/test_lora.py",
+    "rewards/test_format_copy_similarity.py",
+    "rewards/test_hostile_completions.py",
+    "rewards/test_limits.py",
+    "rewards/test_reward_code.py",
+    "rewards/test_reward_combine.py",
+    "rewards/test_reward_format.py",
+    "rewards/test_reward_math.py",
+    "rewards/test_reward_text.py",
+    "rl/test_accuracy.py",
+    "rl/test_advantages.py",
+    "rl/test_loss_properties.py",
+    "rl/test_losses.py",
+    "rl/test_train_state.py",
+    "test_config.py",
+    "test_eval_metrics.py",
+    "test_imports.py",
+    "test_launch.py",
+    "test_repo.py",
+    "test_run_log.py",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of `QUICK_MODULES` `quick` (slow ones excepted)."""
+    root = os.path.dirname(__file__)
+    for item in items:
+        rel = os.path.relpath(str(item.path), root).replace(os.sep, "/")
+        if rel.startswith(QUICK_MODULES) and item.get_closest_marker("slow") is None:
+            item.add_marker(pytest.mark.quick)
+
 
 @pytest.fixture(scope="session", autouse=True)
 def _session_compilation_cache(tmp_path_factory):
