@@ -367,11 +367,12 @@ def model_tflop(w: dict, lora: bool, run: dict) -> float:
     (prefill and decode), one scoring pass and the update's forward and backward, without what
     remat recomputes; prompts of the workload's mean length, completions of the run's mean
     length. Both frameworks must do this work, whatever else they do."""
+    from jaxgrpo.models import source_config
     from jaxgrpo.models.config import LoRAConfig
-    from jaxgrpo.planning import flops, memory
+    from jaxgrpo.planning import flops
 
     prompt_len = _mean_prompt_len(w["task"], w["prompts"])
-    cfg = memory.model_config(w["model"], lora=LoRAConfig() if lora else None)
+    cfg = source_config(w["model"], lora=LoRAConfig() if lora else None)
     cfg = cfg.replace(remat=False, dtype="float32")
     b, rows = w["prompts"], w["prompts"] * w["group"]
     n = run["tokens_per_s"] * run["sampling"] / rows

@@ -26,6 +26,7 @@ from jaxgrpo.core import sharding
 from jaxgrpo.core.sharding import to_host
 from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.layout import Layout, mesh_platform
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.learner import Learner
@@ -40,16 +41,17 @@ def text_reward(prompts, completions, **_):
 def make_learner(mesh_shape: dict, devices=None, reward=text_reward, **overrides):
     """(learner, format_copy task) for tiny.py with beta 0.04 and `reward`, on a mesh of
     `devices`; `overrides` are config keys (`"rl.grad_accum": 2`). LoRA adapters as the config
-    says, none with `model.lora_rank=0` (as `jaxgrpo.run.train` builds the model); the layers
-    unrolled with `model.layer_loop="unroll"`."""
+    says, none with `model.lora_rank=0` (as `jaxgrpo.run.train` builds the model), and the
+    mesh's layout; the layers unrolled only with `model.layer_loop="unroll"`."""
     base = {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1}
     cfg = load_config("tiny.py", {**base, **overrides})
     mesh = sharding.make_mesh(mesh_shape, devices=devices)
     rank = cfg.model.lora_rank
     lora = LoRAConfig(rank=rank, alpha=cfg.model.lora_alpha) if rank else None
-    unroll = cfg.model.layer_loop == "unroll"
+    loop = "unroll" if cfg.model.layer_loop == "unroll" else "scan"
+    layout = Layout.for_platform(mesh_platform(mesh), layer_loop=loop)
     remat = dict(remat=cfg.model.remat, remat_policy=cfg.model.remat_policy)
-    model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh, unroll_layers=unroll, **remat)
+    model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh, layout=layout, **remat)
     task = get_task("format_copy")
     return Learner(cfg, model, tokenizer, task, RewardSet([(reward, 1.0)]), mesh), task
 

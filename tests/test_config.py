@@ -9,10 +9,10 @@ from ml_collections import ConfigDict
 
 from jaxgrpo.configs import base
 from jaxgrpo.configs.base import JUDGE_PROMPT
-from jaxgrpo.planning import aot
-from jaxgrpo.rl.losses import LOSS_PRESETS
-from jaxgrpo.run.build import build_model, unroll_layers
+from jaxgrpo.rl.loss_spec import LOSS_PRESETS
+from jaxgrpo.run.build import build_model
 from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.model import model_config, model_fields
 from jaxgrpo.settings.schema import ConfigError, load_config, shipped_configs, to_train_config
 
 
@@ -152,9 +152,8 @@ def test_mesh_fits_devices():
 
 def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu_without_remat():
     def resolve(**overrides):
-        return unroll_layers(
-            load_config("tiny", {f"model.{k}": v for k, v in overrides.items()}).model
-        )
+        spec = load_config("tiny", {f"model.{k}": v for k, v in overrides.items()}).model
+        return model_fields(spec, "cpu")["layout"].unrolls_layers
 
     assert resolve(lora_rank=0, remat=False) and not resolve(lora_rank=8, remat=False)
     assert not resolve(lora_rank=0), "remat (the default) keeps the scan"
@@ -221,10 +220,11 @@ def test_piecewise_and_position_schedules_load():
 
 
 def test_the_trainer_and_the_compiler_resolve_the_layer_loop_alike():
-    """`jaxgrpo.compile` builds its model config with the rule the trainer uses: full
+    """`jaxgrpo.compile` builds its model config as the trainer does (`settings.model`): full
     fine-tuning with remat keeps the scan on a CPU topology too."""
     for overrides in ({"lora_rank": 0, "remat": False}, {"lora_rank": 0}, {"lora_rank": 8}):
         cfg = load_config("tiny", {f"model.{k}": v for k, v in overrides.items()})
-        assert aot.model_config(cfg, "cpu").unroll_layers == unroll_layers(cfg.model), overrides
+        model, _ = build_model(cfg.model, cfg.seed)
+        assert model_config(cfg.model, "cpu") == model.cfg, overrides
     cfg = load_config("tiny", {"model.lora_rank": 0, "model.remat": False})
-    assert not aot.model_config(cfg, "tpu").unroll_layers, "auto unrolls on CPU only"
+    assert not model_config(cfg.model, "tpu").layout.unrolls_layers, "auto unrolls on CPU only"

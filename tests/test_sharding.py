@@ -11,6 +11,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxgrpo.core import host, sharding
+from jaxgrpo.models import source_config
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.init import random_model
 from jaxgrpo.models.kv_cache import init_cache
@@ -47,11 +48,11 @@ def test_sampling_layout_by_model_and_slice():
     (Llama-3.1-8B on v5e-8: 16 GB of bfloat16 weights, 2 GB a chip), else the training
     layout; the tensor-parallel rules split heads over both axes and rows over data only."""
     from jaxgrpo.core import presets
-    from jaxgrpo.planning import flops, memory
+    from jaxgrpo.planning import flops
 
     def layout(model: str, slice_name: str) -> str:
         preset = presets.get_preset(slice_name)
-        weights = flops.weight_bytes(memory.model_config(model, dtype="bfloat16"))
+        weights = flops.weight_bytes(source_config(model, dtype="bfloat16"))
         return sharding.sampling_layout(preset.mesh, weights, preset.hbm_bytes)
 
     assert layout("Qwen2.5-1.5B", "v5e-8") == "sample"

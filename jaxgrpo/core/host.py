@@ -39,16 +39,6 @@ def use_cpu_xla_flags() -> None:
 CACHE_ENV = "JAXGRPO_CACHE_DIR"
 
 
-def backend(platform: str = "") -> str:
-    """The backend a program is compiled for: `platform` ("cpu", "tpu", "gpu"), or JAX's
-    default backend when it is empty (a model traced without a mesh)."""
-    if platform:
-        return platform
-    import jax
-
-    return jax.default_backend()
-
-
 # The XLA flag that splits the host CPU into N virtual devices (tests, sharding demos, compile
 # checks of CPU meshes).
 FORCE_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"

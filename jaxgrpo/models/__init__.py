@@ -26,6 +26,7 @@ import re
 import struct
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import ml_dtypes  # a jax dependency; numpy itself has no bfloat16
@@ -36,6 +37,7 @@ from jaxgrpo.core import presets
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.gguf import GGUFCheckpoint
 from jaxgrpo.models.init import empty_model, random_model
+from jaxgrpo.models.layout import Layout, mesh_platform
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
@@ -218,6 +220,43 @@ def _random_model(source: str, fields: dict, mesh, rules, tokenizer, seed: int):
     return model, _as_tokenizer(tokenizer, tiny_tokenizer)
 
 
+def source_config(source: str, **fields: Any) -> ModelConfig:
+    """The ``ModelConfig`` of a model source without loading weights, with ``fields``
+    (lora, dtypes, remat, layout) set.
+
+    Args:
+      source: ``"tiny"``, ``"smollm2"``, an ``ARCHITECTURES`` name or ``random:<name>`` (or
+        a hub id containing one, case-insensitive), a local HF directory or a ``.gguf`` file.
+
+    Raises:
+      ValueError: the source is none of these (hub ids are not downloaded).
+    """
+    if source == "tiny":
+        from jaxgrpo.models.tiny import tiny_model_config
+
+        return tiny_model_config().replace(**fields)
+    if source == "smollm2":
+        source = "SmolLM2-135M"
+    name = presets.find_architecture(source.removeprefix(presets.RANDOM_PREFIX))
+    local = os.path.exists(os.path.expanduser(source))
+    if name is not None and not local:
+        return ModelConfig.from_hf_config(presets.ARCHITECTURES[name], **fields)
+    if local:
+        return ModelConfig.from_hf_config(read_source(source)[0], **fields)
+    raise ValueError(
+        f"unknown model source {source!r} without a download: pass a local directory, a "
+        f".gguf file, or one of {', '.join(presets.ARCHITECTURES)}"
+    )
+
+
+def default_layout(mesh=None, *, lora: LoRAConfig | dict | None = None, remat: bool = False):
+    """``Layout.for_platform`` of the mesh's devices (JAX's default backend without a mesh),
+    with an "auto" layer loop: what ``load_model`` builds when given no layout."""
+    lora = _as_lora(lora)
+    rank = lora.rank if lora is not None else 0
+    return Layout.for_platform(mesh_platform(mesh), lora_rank=rank, remat=remat)
+
+
 def load_model(
     source: str | os.PathLike,
     dtype: str = "float32",
@@ -229,7 +268,7 @@ def load_model(
     tokenizer=None,
     remat: bool = False,
     remat_policy: str = "full",
-    unroll_layers: bool = False,
+    layout: Layout | None = None,
     seed: int = 0,
 ) -> tuple[Transformer, Tokenizer]:
     """Load a Llama/Qwen checkpoint and its tokenizer.
@@ -249,7 +288,8 @@ def load_model(
       tokenizer: override the checkpoint's tokenizer (a ``Tokenizer``, directory or .gguf).
       remat: recompute each block in the backward pass.
       remat_policy: what remat keeps (``ModelConfig.remat_policy``).
-      unroll_layers: unroll the layer scan (``ModelConfig.unroll_layers``).
+      layout: how the run lays out its work (``jaxgrpo.models.layout``); None resolves it for
+        the mesh's devices (JAX's default backend without a mesh), with an "auto" layer loop.
       seed: seed of the LoRA A initialisation.
 
     Returns:
@@ -268,8 +308,7 @@ def load_model(
         lora=_as_lora(lora),
         remat=remat,
         remat_policy=remat_policy,
-        unroll_layers=unroll_layers,
-        platform="" if mesh is None else mesh.devices.flat[0].platform,
+        layout=layout or default_layout(mesh, lora=lora, remat=remat),
     )
     if os.fspath(source).startswith(presets.RANDOM_PREFIX):
         return _random_model(os.fspath(source), fields, mesh, rules, tokenizer, seed)

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from jaxgrpo.models.layout import Layout
+
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 REMAT_POLICIES = ("full", "projections")  # ModelConfig.remat_policy
 
@@ -81,19 +83,9 @@ class ModelConfig:
             least memory), "projections" the outputs of its projections
             (`layers.PROJECTION_OUTPUTS`), so the backward pass recomputes the attention core
             and elementwise work but no projection.
-        unroll_layers: run the stacked layers as an unrolled loop instead of `lax.scan`. The
-            program is L copies of a layer (longer compile), but the backward pass writes no
-            stacked [L, ...] residual and gradient buffers: faster for a full fine-tuning update
-            on XLA:CPU, slower with LoRA (benchmarks/README.md, "Unrolled layers").
-        scan_decode: how the sampler's one-token steps run the layers: True scans stacked
-            decode weights and a stacked cache (one layer body in the program, so a deep model
-            compiles in a fraction of the time), False unrolls per-layer arrays (on XLA:CPU
-            reading layer i out of a stacked buffer copies it at every step). None: unrolled
-            on CPU, scanned on other platforms.
         lora: adapters declared at construction, or None.
-        platform: the backend the model is compiled for ("cpu", "tpu", "gpu"), taken from
-            the mesh's devices; "" = `jax.default_backend()` when traced. Selects the
-            XLA:CPU-specific formulations (see `jaxgrpo.models.layers.project`).
+        layout: how the run lays out its work on its backend (kernels, layer and decode
+            loops, block sizes; `jaxgrpo.models.layout`); the default is the portable one.
     """
 
     arch: str = "llama"
@@ -116,10 +108,8 @@ class ModelConfig:
     dtype: str = "float32"
     remat: bool = False
     remat_policy: str = "full"
-    unroll_layers: bool = False
-    scan_decode: bool | None = None
     lora: LoRAConfig | None = None
-    platform: str = ""
+    layout: Layout = Layout()
 
     def __post_init__(self):
         if self.arch not in SUPPORTED_ARCHS:
@@ -148,7 +138,7 @@ class ModelConfig:
         """Whether the layer loop can add micro-batch gradients into the running sum inside
         its backward pass (`jaxgrpo.models.accumulate`): unrolled, or with remat; a layer scan
         without remat would stack per-layer copies of what its body closes over."""
-        return self.unroll_layers or self.remat
+        return self.layout.unrolls_layers or self.remat
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
@@ -235,14 +225,3 @@ class ModelConfig:
         if self.arch == "qwen3":
             hf["attention_bias"] = False
         return hf
-
-
-def unrolls_layers(layer_loop: str, lora_rank: int, remat: bool, platform: str) -> bool:
-    """Resolves ``model.layer_loop`` for a run compiled for ``platform``: "auto" unrolls for
-    full fine-tuning on CPU without remat, where the unrolled update is faster, and keeps the
-    scan otherwise: it slows LoRA's update, and with remat the scan's gradients accumulate in
-    place where the unrolled layers' are concatenated (benchmarks/README.md, "Unrolled
-    layers"). The trainer and ``jaxgrpo.compile`` both resolve it here."""
-    if layer_loop != "auto":
-        return layer_loop == "unroll"
-    return lora_rank == 0 and not remat and platform == "cpu"

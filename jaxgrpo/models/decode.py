@@ -3,8 +3,9 @@
 A decode step multiplies a few rows ([B, 1, D]) by every weight of the model, so the layout
 is chosen for those matmuls: each layer's weights are separate arrays (or one stacked set for
 the scanned loop), prepared once per `generate` call with the adapters folded in, and every
-kernel is a plain 2-D [in, out] matrix, which XLA:CPU's dot (YNNPACK's, `platform.CPU_XLA_FLAGS`)
-reads faster than [out, in] (benchmarks/README.md, "Decode-layout weights").
+kernel is a plain 2-D [in, out] matrix, which XLA:CPU's dot (YNNPACK's,
+`jaxgrpo.core.host.CPU_XLA_FLAGS`) reads faster than [out, in] (benchmarks/README.md,
+"Decode-layout weights").
 
 `DecodeLayer` is built from a `Block` (`decode_layer_from_block`) and run by `decode_layer`
 through the same `layers.decoder_layer` body as `Block.__call__`; only the weight layout and

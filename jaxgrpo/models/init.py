@@ -43,7 +43,6 @@ def random_model(
         nnx.update(model, random_state(nnx.state(model), seed, std))
         return model
     rules = rules or sharding.TRAIN_RULES
-    cfg = cfg.replace(platform=cfg.platform or mesh.devices.flat[0].platform)
     graphdef, state = nnx.split(abstract_model(cfg, seed))
     shardings = sharding.param_shardings(state, mesh, rules)
     model = nnx.merge(graphdef, random_state(state, seed, std, shardings=shardings))

@@ -101,7 +101,7 @@ class LayerKVCache:
 
     Each of the four buffers is either a tuple of L per-layer arrays, for the unrolled decode
     loop (on XLA:CPU reading layer i out of a stacked buffer copies it at every step), or one
-    stacked array with a leading [L] axis, for the scanned one (`ModelConfig.scan_decode`).
+    stacked array with a leading [L] axis, for the scanned one (`Layout.decode_loop`).
     Both are updated in place: the loop donates them.
 
     The G samples of a prompt share its keys and values, so the prompt part keeps one row per
@@ -163,10 +163,11 @@ class LayerKVCache:
         )
 
     def _each(self, buffers, fn):
-        """`fn(array, row_axis)` applied to every layer's array of ``buffers``."""
-        if isinstance(buffers, tuple):
-            return tuple(fn(x, 0) for x in buffers)
-        return fn(buffers, 1)
+        """`fn(array, row_axis)` applied to every layer's array of ``buffers``: the stacked
+        [L, ...] array at once, or each per-layer array."""
+        if self.stacked:
+            return fn(buffers, 1)
+        return tuple(fn(x, 0) for x in buffers)
 
     def constrain(self, ctx: ShardingCtx | None) -> LayerKVCache:
         """The cache pinned to the activation rules, as `KVCache.constrain`. The completion

@@ -11,7 +11,6 @@ are written for one layer and are called on per-layer slices inside `jax.lax.sca
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -23,15 +22,11 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxgrpo.core.host import backend
 from jaxgrpo.core.shapes import Array
 from jaxgrpo.core.sharding import ShardingCtx, shard_act
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.kernels import ATTENTIONS, PROJECTIONS
 from jaxgrpo.models.lora import LoRA
-
-# Finite instead of -inf so a query row with no visible key (a left-pad position) gives uniform
-# attention (finite garbage) rather than NaN, which would poison gradients through the mask.
-_MASK_VALUE = -1e30
 
 # Logical axes of a layer's activations, for every layout of its weights.
 X_AXES = ("act_batch", "act_length", "act_embed")  # residual stream [B, T, D]
@@ -59,8 +54,8 @@ class Einsum(nnx.Module):
         stack: leading dims of the stored weights (e.g. (L,)), named "layers".
         bias: add a bias of shape out_shape.
         lora: adapter settings, or None for no adapter.
-        platform: the backend the model is compiled for ("" = the default backend when
-            traced): on "cpu" the projection uses `project`'s hand-written backward.
+        projection: the kernel (`jaxgrpo.models.kernels.PROJECTIONS`; the run's
+            `Layout.projection`).
     """
 
     def __init__(
@@ -75,7 +70,7 @@ class Einsum(nnx.Module):
         lora: LoRAConfig | None = None,
         param_dtype: str = "float32",
         dtype: str = "float32",
-        platform: str = "",
+        projection: str = "jax",
         rngs: nnx.Rngs,
     ):
         stack_axes = ("layers",) * len(stack)
@@ -109,15 +104,12 @@ class Einsum(nnx.Module):
         )
         self.n_in = len(in_shape)
         self.dtype = dtype
-        self.platform = platform
+        self.projection = projection
 
     def __call__(self, x: Array) -> Array:
         x = x.astype(self.dtype)
         kernel = self.kernel[...].astype(self.dtype)
-        if backend(self.platform) == "cpu":
-            y = project(x, kernel, self.n_in)
-        else:  # XLA:TPU/GPU lay the plain backward out better (fewer bytes moved)
-            y = jnp.tensordot(x, kernel, axes=self.n_in)
+        y = PROJECTIONS[self.projection](x, kernel, self.n_in)
         if self.bias is not None:
             y = y + _lead(self.bias[...].astype(self.dtype), y.ndim)
         if self.lora is not None:
@@ -130,40 +122,6 @@ class Einsum(nnx.Module):
             delta = self.lora.delta_kernel()
             self.kernel[...] = (self.kernel[...] + delta).astype(self.kernel[...].dtype)
             self.lora.zero()
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def project(x: Array, kernel: Array, n_in: int) -> Array:
-    """`tensordot(x, kernel, n_in)`: x [..., *in] and kernel [*in, *out] -> [..., *out], with
-    the kernel's gradient formed as `x^T dy`, directly in the kernel's [in, out] layout.
-    Used on XLA:CPU only (for TPU plain autodiff moves fewer bytes).
-
-    Autodiff of a projection forms it as `dy^T x` [out, in] and then transposes it, and
-    XLA:CPU's dot also copies dy into [out, rows] order first: two copies per projection per
-    layer, the largest non-matmul cost of a CPU fine-tuning update. Written as `x^T dy`, only x
-    (the narrower [rows, in] operand for the MLP's up-projections) is transposed. The saved
-    values are x and the kernel exactly as passed (not reshaped), so a layer scan reuses its
-    per-layer weight slices in the backward pass instead of stacking a copy of them. Figures:
-    benchmarks/README.md, "Projection weight gradients".
-    """
-    return jnp.tensordot(x, kernel, axes=n_in)
-
-
-def _project_fwd(x, kernel, n_in):
-    return jnp.tensordot(x, kernel, axes=n_in), (x, kernel)
-
-
-def _project_bwd(n_in, residuals, dy):
-    x, kernel = residuals
-    n_features = math.prod(kernel.shape[:n_in])
-    x_XI, w_IO = x.reshape(-1, n_features), kernel.reshape(n_features, -1)
-    dy_XO = dy.reshape(x_XI.shape[0], -1)
-    dx_XI = jnp.einsum("XO,IO->XI", dy_XO, w_IO)
-    dw_IO = jnp.einsum("XI,XO->IO", x_XI, dy_XO)
-    return dx_XI.reshape(x.shape), dw_IO.reshape(kernel.shape)
-
-
-project.defvjp(_project_fwd, _project_bwd)
 
 
 class RMSNorm(nnx.Module):
@@ -251,7 +209,7 @@ def attend(
     *,
     heads_first: bool = False,
     prompt: tuple[Array, Array, Array] | None = None,
-    platform: str = "",
+    kernel: str = "jax",
 ) -> Array:
     """Grouped-query softmax attention over R rows; scores and softmax in float32.
 
@@ -270,8 +228,8 @@ def attend(
         mask_RTS: True where query t may attend key s.
         prompt: None, or the prompts' keys [B, K, H, P], values [B, K, P, H] and mask [B, P]
             (True at real slots, which every query of the prompt's rows may attend).
-        platform: the backend compiled for ("" = the default backend): on "cpu" the
-            heads-first layout differentiates through `_attention_cpu`'s hand-written backward.
+        kernel: the attention kernel (`jaxgrpo.models.kernels.ATTENTIONS`; the run's
+            `Layout.attention`).
 
     Returns:
         [R, T, N, H] in q's dtype.
@@ -279,170 +237,8 @@ def attend(
     r, t, n, h = q_RTNH.shape
     kh = k.shape[1 if heads_first else 2]
     q_RKMTH = q_RTNH.reshape(r, t, kh, n // kh, h).transpose(0, 2, 3, 1, 4)
-    if heads_first and backend(platform) == "cpu":
-        out_RKMTH = _attention_cpu(q_RKMTH, k, v, mask_RTS, prompt)
-    else:
-        out_RKMTH = _softmax_attention(q_RKMTH, k, v, mask_RTS, prompt, heads_first)[0]
+    out_RKMTH = ATTENTIONS[kernel](q_RKMTH, k, v, mask_RTS, prompt, heads_first)
     return out_RKMTH.transpose(0, 3, 1, 2, 4).reshape(r, t, n, h).astype(q_RTNH.dtype)
-
-
-class _Groups:
-    """Moves per-row arrays [R, K, M, T, ...] to the prompts' layout [B, K, G * M * T, ...]
-    and back, for R = B * G rows: the prompt's scores have a group's queries as matmul rows."""
-
-    def __init__(self, rows: int, prompts: int, kv_heads: int, m: int, t: int):
-        self.r, self.b, self.kh, self.m, self.t = rows, prompts, kv_heads, m, t
-        self.g = rows // prompts
-
-    def to_prompts(self, x_RKMT: Array) -> Array:
-        rest = x_RKMT.shape[4:]
-        x = x_RKMT.reshape(self.b, self.g, self.kh, self.m, self.t, *rest).swapaxes(1, 2)
-        return x.reshape(self.b, self.kh, -1, *rest)
-
-    def to_rows(self, x_BKX: Array) -> Array:
-        rest = x_BKX.shape[3:]
-        x = x_BKX.reshape(self.b, self.kh, self.g, self.m, self.t, *rest).swapaxes(1, 2)
-        return x.reshape(self.r, self.kh, self.m, self.t, *rest)
-
-
-def _softmax_attention(q_RKMTH, k, v, mask_RTS, prompt, heads_first):
-    """`attend`'s arithmetic on queries [R, K, M, T, H]: (the output [R, K, M, T, H] in
-    float32, and the unnormalised weights of the own keys and of the prompt's, and their
-    total [R, K, M, T], which `_attention_cpu`'s backward reuses)."""
-    r, kh, m, t, h = q_RKMTH.shape
-    dtype, f32 = q_RKMTH.dtype, jnp.float32
-    scale = 1.0 / math.sqrt(h)
-    scores_RKMTS = jnp.einsum(
-        "RKMTH,RKHS->RKMTS" if heads_first else "RKMTH,RSKH->RKMTS",
-        q_RKMTH,
-        k.astype(dtype),
-        preferred_element_type=f32,
-    )
-    scores_RKMTS = jnp.where(mask_RTS[:, None, None], scores_RKMTS * scale, _MASK_VALUE)
-    peak_RKMT = jnp.max(scores_RKMTS, axis=-1)
-    if prompt is not None:
-        pk_BKHP, pv_BKPH, prompt_mask_BP = prompt
-        groups = _Groups(r, prompt_mask_BP.shape[0], kh, m, t)
-        prompt_BKXP = jnp.einsum(
-            "BKXH,BKHP->BKXP",
-            groups.to_prompts(q_RKMTH),
-            pk_BKHP.astype(dtype),
-            preferred_element_type=f32,
-        )
-        prompt_BKXP = jnp.where(prompt_mask_BP[:, None, None], prompt_BKXP * scale, _MASK_VALUE)
-        peak_RKMT = jnp.maximum(peak_RKMT, groups.to_rows(jnp.max(prompt_BKXP, axis=-1)))
-    # Any common shift leaves the softmax unchanged: the maximum is a constant to autodiff.
-    peak_RKMT = jax.lax.stop_gradient(peak_RKMT)
-    weights_RKMTS = jnp.exp(scores_RKMTS - peak_RKMT[..., None])
-    total_RKMT = jnp.sum(weights_RKMTS, axis=-1)
-    out_RKMTH = jnp.einsum(
-        "RKMTS,RKSH->RKMTH" if heads_first else "RKMTS,RSKH->RKMTH",
-        weights_RKMTS.astype(dtype),
-        v.astype(dtype),
-        preferred_element_type=f32,
-    )
-    weights_BKXP = None
-    if prompt is not None:
-        weights_BKXP = jnp.exp(prompt_BKXP - groups.to_prompts(peak_RKMT)[..., None])
-        total_RKMT = total_RKMT + groups.to_rows(jnp.sum(weights_BKXP, axis=-1))
-        out_BKXH = jnp.einsum(
-            "BKXP,BKPH->BKXH",
-            weights_BKXP.astype(dtype),
-            pv_BKPH.astype(dtype),
-            preferred_element_type=f32,
-        )
-        out_RKMTH = out_RKMTH + groups.to_rows(out_BKXH)
-    out_RKMTH = out_RKMTH / total_RKMT[..., None]
-    return out_RKMTH, (weights_RKMTS, weights_BKXP, total_RKMT)
-
-
-@jax.custom_vjp
-def _attention_cpu(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt):
-    """`_softmax_attention` in the heads-first layout, with a backward pass whose dots all read
-    their operands as XLA:CPU's matmul wants them ([rows, contracted] x [contracted or free
-    minor]): the large score-shaped arrays are never transposed, only the narrow [T, H] ones.
-    Autodiff instead copies the probabilities transposed and runs one of the dots outside
-    YNNPACK (benchmarks/README.md, "The attention backward on CPU"). Its residuals are the forward's
-    unnormalised weights, their totals and the output, so the backward pass recomputes neither
-    the scores nor the output."""
-    return _softmax_attention(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, True)[0]
-
-
-def _attention_cpu_fwd(q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt):
-    out_RKMTH, (weights_RKMTS, weights_BKXP, total_RKMT) = _softmax_attention(
-        q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, True
-    )
-    saved = (q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, out_RKMTH)
-    return out_RKMTH, (saved, weights_RKMTS, weights_BKXP, total_RKMT)
-
-
-def _attention_cpu_bwd(residuals, dout_RKMTH):
-    """With p = w / total the probabilities and o the output: dv = p^T do, and the scores'
-    gradient ds = p (do v^T - rowsum(do o)) (zero where masked), then dq = ds k, dk = ds^T q,
-    times the score scale. Each transposed product is formed in the key layout [K, H, S]
-    as do^T p and q^T ds."""
-    (q_RKMTH, k_RKHS, v_RKSH, mask_RTS, prompt, out_RKMTH), weights_RKMTS, weights_BKXP, total = (
-        residuals
-    )
-    r, kh, m, t, h = q_RKMTH.shape
-    dtype, f32 = q_RKMTH.dtype, jnp.float32
-    scale = 1.0 / math.sqrt(h)
-    # do / total and rowsum(do o) / total: the unnormalised weights then stand in for p.
-    dos_RKMTH = dout_RKMTH.astype(f32) / total[..., None]
-    shift_RKMT = jnp.sum(dos_RKMTH * out_RKMTH, axis=-1)
-
-    def dots(batch, rows, keys, q, dos, shift, weights, mask, k, v):
-        """One part's gradients: queries [*batch, *rows, H], keys [*batch, H, keys], values
-        [*batch, keys, H]; returns dq and the keys' and values' gradients in their layouts."""
-        qh, ws, hs = f"{batch}{rows}H", f"{batch}{rows}{keys}", f"{batch}H{keys}"
-        kw = dict(preferred_element_type=f32)
-        grad_v = jnp.einsum(f"{qh},{ws}->{hs}", dos.astype(dtype), weights.astype(dtype), **kw)
-        dp = jnp.einsum(f"{qh},{batch}{keys}H->{ws}", dos.astype(dtype), v.astype(dtype), **kw)
-        ds = jnp.where(mask, weights * (dp - shift[..., None]) * scale, 0.0).astype(dtype)
-        dq = jnp.einsum(f"{ws},{hs}->{qh}", ds, k.astype(dtype), **kw)
-        grad_k = jnp.einsum(f"{qh},{ws}->{hs}", q, ds, **kw)
-        return dq, grad_k, jnp.swapaxes(grad_v, -1, -2)
-
-    dq_RKMTH, dk, dv = dots(
-        "RK",
-        "MT",
-        "S",
-        q_RKMTH,
-        dos_RKMTH,
-        shift_RKMT,
-        weights_RKMTS,
-        mask_RTS[:, None, None],
-        k_RKHS,
-        v_RKSH,
-    )
-    dprompt = None
-    if prompt is not None:
-        pk_BKHP, pv_BKPH, prompt_mask_BP = prompt
-        groups = _Groups(r, prompt_mask_BP.shape[0], kh, m, t)
-        dq_BKXH, dpk, dpv = dots(
-            "BK",
-            "X",
-            "P",
-            groups.to_prompts(q_RKMTH),
-            groups.to_prompts(dos_RKMTH),
-            groups.to_prompts(shift_RKMT),
-            weights_BKXP,
-            prompt_mask_BP[:, None, None],
-            pk_BKHP,
-            pv_BKPH,
-        )
-        dq_RKMTH = dq_RKMTH + groups.to_rows(dq_BKXH)
-        dprompt = (dpk.astype(pk_BKHP.dtype), dpv.astype(pv_BKPH.dtype), None)
-    return (
-        dq_RKMTH.astype(dtype),
-        dk.astype(k_RKHS.dtype),
-        dv.astype(v_RKSH.dtype),
-        None,
-        dprompt,
-    )
-
-
-_attention_cpu.defvjp(_attention_cpu_fwd, _attention_cpu_bwd)
 
 
 @flax.struct.dataclass
@@ -492,7 +288,7 @@ def banded_attend(
     v_BLKH: Array,
     prefix_kv: tuple[Array, Array],
     mask: BandedMask,
-    platform: str = "",
+    kernel: str = "jax",
 ) -> Array:
     """`attend` for packed rows under a `BandedMask`: each block of W queries is a row of its
     own whose keys are the prompt's (``prefix_kv``, each [B, P, K, H], shared by the row's
@@ -522,7 +318,7 @@ def banded_attend(
         mask.own_XWV,
         heads_first=True,
         prompt=prompt,
-        platform=platform,
+        kernel=kernel,
     )
     return out.reshape(b, cols, n, h)
 

@@ -44,7 +44,6 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.custom_derivatives import SymbolicZero
 
-from jaxgrpo.core.host import backend
 from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.models.layers import banded_mask
 from jaxgrpo.models.packing import Packing
@@ -154,17 +153,11 @@ def _head_stats_bwd(dtype, keep, residuals, cotangents):
 _head_stats.defvjp(_head_stats_fwd, _head_stats_bwd, symbolic_zeros=True)
 
 
-# Rows x positions per logits block at least, on CPU: one packed row scored 64 positions at a
-# time ran the head's [64, 576] x [576, 49152] dots on XLA:CPU at about two thirds of the rate
-# of 256-row blocks (benchmarks/README.md, "LM-head blocks").
-HEAD_CHUNK_ROWS = 256
-
-
-def head_chunk(rows: int, t: int, chunk_size: int = 64, platform: str = "") -> int:
+def head_chunk(rows: int, t: int, chunk_size: int = 64, min_rows: int = 0) -> int:
     """Positions per logits block of `head_token_logprobs` for `rows` rows of `t` positions:
-    `chunk_size`, on ``platform`` "cpu" raised until a block has `HEAD_CHUNK_ROWS` rows x
-    positions; at most t."""
-    floor = HEAD_CHUNK_ROWS // max(rows, 1) if platform == "cpu" else 0
+    `chunk_size`, raised until a block has `min_rows` rows x positions (the run's
+    `Layout.head_chunk_rows`); at most t."""
+    floor = min_rows // max(rows, 1)
     return max(1, min(max(chunk_size, floor), t))
 
 
@@ -177,7 +170,7 @@ def head_token_logprobs(
     under a scan; `_head_stats` keeps no chunk's [R, C, V] logits for the backward pass.
 
     Args:
-        model: a `Transformer` (or anything with `head_weight()` and `cfg.dtype`).
+        model: a `Transformer` (or anything with `head_weight()`, `cfg.dtype` and `cfg.layout`).
         h_RTD: hidden state at the position before each token (h_RTD[:, t] predicts
             tokens_RT[:, t]).
         tokens_RT: int32 token ids.
@@ -190,7 +183,7 @@ def head_token_logprobs(
     """
     w_VD, dtype = model.head_weight(), _compute_dtype(model)
     n, t, d = h_RTD.shape
-    c = head_chunk(n, t, chunk_size, backend(getattr(model.cfg, "platform", "")))
+    c = head_chunk(n, t, chunk_size, model.cfg.layout.head_chunk_rows)
     n_chunks = -(-t // c)
     pad = n_chunks * c - t
     if pad:

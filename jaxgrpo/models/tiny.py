@@ -17,6 +17,7 @@ from flax import nnx
 
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.init import random_model
+from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
 
@@ -95,7 +96,7 @@ def tiny_model(
     dtype: str = "float32",
     mesh: Any = None,
     rules: Any = None,
-    unroll_layers: bool = False,
+    layout: Layout = Layout(),
     remat: bool = False,
     remat_policy: str = "full",
 ):
@@ -107,14 +108,15 @@ def tiny_model(
         dtype: "float32" or "bfloat16" (compute and storage).
         mesh: optional mesh; parameters are then created sharded by `rules`.
         rules: logical-axis rules (default `jaxgrpo.core.sharding.TRAIN_RULES`).
-        unroll_layers: unroll the layer scan (`ModelConfig.unroll_layers`).
+        layout: how the work is laid out (`jaxgrpo.models.layout`); default the portable
+            layout.
         remat / remat_policy: as `ModelConfig`'s.
 
     Returns:
         (model, tokenizer).
     """
     cfg = tiny_model_config(lora, dtype).replace(
-        unroll_layers=unroll_layers, remat=remat, remat_policy=remat_policy
+        layout=layout, remat=remat, remat_policy=remat_policy
     )
     if mesh is not None:
         model = random_model(cfg, seed, mesh=mesh, rules=rules)

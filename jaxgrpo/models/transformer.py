@@ -3,8 +3,8 @@
 Layers are stored stacked on a leading L axis (one `Block` whose weights are [L, ...]) and run
 with `jax.lax.scan`, so a 30-layer model compiles in about the time of a 2-layer one. Inside the
 scan body each layer's weight slice is merged back into a `Block` (`nnx.merge`), which keeps the
-per-layer code ordinary module code. `ModelConfig.unroll_layers` unrolls the scan instead
-(longer compile, no stacked residual/gradient buffers in the backward pass).
+per-layer code ordinary module code. The layout's `layer_loop="unroll"` unrolls the scan
+instead (longer compile, no stacked residual/gradient buffers in the backward pass).
 
 Three entry points, one per use: `forward` / `forward_segments` (training and scoring, no
 cache; several segments, later ones attending earlier ones' keys and values, in one scan),
@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxgrpo.core.host import backend
 from jaxgrpo.core.shapes import Array
 from jaxgrpo.core.sharding import ShardingCtx, shard_act
 from jaxgrpo.models.accumulate import scan_adding_gradients
@@ -58,7 +57,11 @@ _KEEP_PROJECTIONS = jax.checkpoint_policies.save_only_these_names(*PROJECTION_OU
 def _einsum_kw(cfg: ModelConfig, stack: tuple[int, ...], rngs: nnx.Rngs) -> dict:
     """The keyword arguments every projection of a block shares."""
     return dict(
-        stack=stack, param_dtype=cfg.param_dtype, dtype=cfg.dtype, platform=cfg.platform, rngs=rngs
+        stack=stack,
+        param_dtype=cfg.param_dtype,
+        dtype=cfg.dtype,
+        projection=cfg.layout.projection,
+        rngs=rngs,
     )
 
 
@@ -170,7 +173,7 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, stack=stack, rngs=rngs)
         self.mlp_norm = RMSNorm(d, "embed", eps, stack=stack, param_dtype=cfg.param_dtype)
         self.mlp = MLP(cfg, stack=stack, rngs=rngs)
-        self.platform = cfg.platform
+        self.attention_kernel = cfg.layout.attention
 
     def __call__(
         self,
@@ -221,7 +224,7 @@ class Block(nnx.Module):
                 new_kv = (k_LBSKH, v_LBSKH)
             if isinstance(mask_BTS, BandedMask):
                 return banded_attend(
-                    q_BTNH, k_BTKH, v_BTKH, prefix_kv, mask_BTS, self.platform
+                    q_BTNH, k_BTKH, v_BTKH, prefix_kv, mask_BTS, self.attention_kernel
                 ), new_kv
             if prefix_kv is not None:
                 pk_BPKH, pv_BPKH = prefix_kv
@@ -361,7 +364,7 @@ class Transformer(nnx.Module):
                 out.append(x_BTD)
             return tuple(out)
 
-        unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
+        unroll = self.cfg.num_layers if self.cfg.layout.unrolls_layers else 1
         init = tuple(x[0] for x in inputs)
         remat = self.cfg.remat
         if remat and self.cfg.remat_policy == "projections":
@@ -457,10 +460,8 @@ class Transformer(nnx.Module):
 
     @property
     def scans_decode(self) -> bool:
-        """Whether the sampler's decode steps scan stacked layers (`ModelConfig.scan_decode`)."""
-        if self.cfg.scan_decode is not None:
-            return self.cfg.scan_decode
-        return backend(self.cfg.platform) != "cpu"
+        """Whether the sampler's decode steps scan stacked layers (`Layout.decode_loop`)."""
+        return self.cfg.layout.scans_decode
 
     def decode_layers(self) -> list[DecodeLayer] | DecodeLayer:
         """The L layers in the decode layout: adapters folded in, matrices [in, out].
@@ -526,7 +527,7 @@ class Transformer(nnx.Module):
             return (x_BTD, kv), None
 
         layers = jnp.arange(self.cfg.num_layers, dtype=jnp.int32)
-        unroll = self.cfg.num_layers if self.cfg.unroll_layers else 1
+        unroll = self.cfg.num_layers if self.cfg.layout.unrolls_layers else 1
         (x_BTD, kv), _ = jax.lax.scan(
             body, (x_BTD, (cache.k, cache.v)), (state, layers), unroll=unroll
         )

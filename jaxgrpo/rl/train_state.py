@@ -27,6 +27,7 @@ import optax
 
 from jaxgrpo.core import sharding
 from jaxgrpo.core.shapes import Array, PyTree
+from jaxgrpo.models.kernels import SUMS_OF_SQUARES
 
 
 @flax.struct.dataclass
@@ -83,7 +84,7 @@ def make_schedule(optim_cfg: Any, total_updates: int, updates_per_step: int) -> 
 
 
 def make_optimizer(
-    optim_cfg: Any, total_updates: int, updates_per_step: int = 1
+    optim_cfg: Any, total_updates: int, updates_per_step: int = 1, grad_norm: str = "jax"
 ) -> optax.GradientTransformation:
     """AdamW with warmup + cosine/constant schedule and global-norm clipping.
 
@@ -92,6 +93,7 @@ def make_optimizer(
             b2, eps, max_grad_norm; max_grad_norm <= 0 disables clipping).
         total_updates: optimizer updates in the whole run.
         updates_per_step: optimizer updates per training step.
+        grad_norm: the clip's sum-of-squares kernel (the run's `Layout.grad_norm`).
 
     Returns:
         The optax transformation.
@@ -105,50 +107,22 @@ def make_optimizer(
         weight_decay=float(optim_cfg.weight_decay),
     )
     if float(optim_cfg.max_grad_norm) > 0:
-        return optax.chain(clip_by_global_norm(float(optim_cfg.max_grad_norm)), adamw)
+        return optax.chain(clip_by_global_norm(float(optim_cfg.max_grad_norm), grad_norm), adamw)
     return adamw
 
 
-# Arrays up to this many elements are reduced by `jnp.sum` directly.
-_SMALL_REDUCTION = 1 << 16
-
-
-def sum_of_squares(x: Array) -> Array:
-    """`sum(x ** 2)` in float32, added up slice by slice along the leading axis first.
-
-    XLA:CPU turns a reduction over a large array into a chain of 32-element windowed
-    reductions, far below memory speed. Adding the k slices of the leading axis elementwise
-    (one fused loop, vectorised) runs at memory speed and leaves an array k times smaller; this
-    repeats down to a small array, which `jnp.sum` finishes (figures in benchmarks/README.md,
-    "The gradient norm"). Only leading axes are split, so every other axis keeps its
-    sharding. The rounding differs from `jnp.sum` only in the order of the additions.
-    """
-    x, squared = x.astype(jnp.float32), False
-    while x.size > _SMALL_REDUCTION and x.ndim > 1:
-        lead = x.shape[0]
-        k = max(d for d in range(1, min(lead, 64) + 1) if lead % d == 0)
-        if k == 1:
-            break
-        parts = list(x.reshape(k, lead // k, *x.shape[1:]))
-        if not squared:  # squared inside the first level's fused loop: one pass over x
-            parts, squared = [p * p for p in parts], True
-        x = sum(parts[1:], parts[0])
-        if x.shape[0] == 1:
-            x = x[0]
-    return jnp.sum(x) if squared else jnp.sum(x * x)
-
-
-def global_norm(tree: PyTree) -> Array:
-    """The L2 norm of every element of every leaf of `tree` (float32 scalar).
+def global_norm(tree: PyTree, kernel: str = "jax") -> Array:
+    """The L2 norm of every element of every leaf of `tree` (float32 scalar), each leaf's
+    sum of squares by the kernel `kernel` (`jaxgrpo.models.kernels.SUMS_OF_SQUARES`).
 
     Not finite exactly when some element is NaN or infinite, or when the norm itself
     overflows float32 (elements near 1e19): the update's finiteness guard relies on this.
     """
-    leaves = jax.tree.leaves(tree)
-    return jnp.sqrt(sum(sum_of_squares(x) for x in leaves)) if leaves else jnp.zeros(())
+    leaves, squares = jax.tree.leaves(tree), SUMS_OF_SQUARES[kernel]
+    return jnp.sqrt(sum(squares(x) for x in leaves)) if leaves else jnp.zeros(())
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
+def clip_by_global_norm(max_norm: float, kernel: str = "jax") -> optax.GradientTransformation:
     """`optax.clip_by_global_norm` with `global_norm` (same empty state, same result to a
     rounding): each gradient times one scalar factor. A product, unlike optax's `g / norm`,
     is cheap enough for XLA to fuse into each of Adam's consumers, so no clipped copy of the
@@ -156,7 +130,7 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
     def update(updates, state, params=None):
         del params
-        norm = global_norm(updates)
+        norm = global_norm(updates, kernel)
         scale = jnp.where(norm < max_norm, 1.0, max_norm / norm)
         return jax.tree.map(lambda g: g * scale.astype(g.dtype), updates), state
 
@@ -195,6 +169,7 @@ def make_update_fn(
     batch_sh: Any,
     idx_sh: Any,
     accumulating_loss: bool = False,
+    norm_kernel: str = "jax",
 ) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
     """Builds the jitted update: accumulate grads over micro-batches, clip, AdamW, guard.
 
@@ -214,6 +189,7 @@ def make_update_fn(
         batch_sh: shardings of the rollout batch.
         idx_sh: sharding of the [U, M] group-index array (replicated; metrics use it too).
         accumulating_loss: `loss_fn` adds the accumulator into its own gradient.
+        norm_kernel: the gradient norm's sum-of-squares kernel (the run's `Layout.grad_norm`).
 
     Returns:
         `update(state, frozen, batch, idx_UM) -> (state, metrics)`, jitted with `state`
@@ -245,7 +221,7 @@ def make_update_fn(
 
     def update(state: TrainState, frozen: PyTree, batch: PyTree, idx_UM: Array):
         grads, loss, metrics = gradients(state.params, frozen, batch, idx_UM)
-        grad_norm = global_norm(grads)
+        grad_norm = global_norm(grads, norm_kernel)
         ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
         def apply(state):

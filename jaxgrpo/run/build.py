@@ -24,13 +24,14 @@ from jaxgrpo.core import sharding
 from jaxgrpo.core.host import initialize_distributed
 from jaxgrpo.data import TASKS, get_task
 from jaxgrpo.models import load_model
-from jaxgrpo.models.config import LoRAConfig, unrolls_layers
+from jaxgrpo.models.layout import mesh_platform
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.model import model_fields
 from jaxgrpo.settings.schema import ConfigError, TrainConfig
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -68,33 +69,22 @@ def smollm2_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
 
 
-def unroll_layers(spec: config_lib.ModelSpec) -> bool:
-    """``model.layer_loop`` resolved for this process's backend (``unrolls_layers``)."""
-    return unrolls_layers(spec.layer_loop, spec.lora_rank, spec.remat, jax.default_backend())
-
-
 def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
-    """(model, tokenizer) for ``spec.source``, with LoRA adapters when ``lora_rank > 0``."""
-    lora = None
-    if spec.lora_rank > 0:
-        lora = LoRAConfig(rank=spec.lora_rank, alpha=spec.lora_alpha, targets=spec.lora_targets)
-    layout = dict(
-        remat=spec.remat,
-        remat_policy=spec.remat_policy,
-        unroll_layers=unroll_layers(spec),
-    )
+    """(model, tokenizer) for ``spec.source``, with LoRA adapters when ``lora_rank > 0`` and
+    the layout of the mesh's devices (``jaxgrpo.settings.model``)."""
+    fields = model_fields(spec, mesh_platform(mesh))
     if spec.source == "tiny":
-        return tiny_model(lora, seed=seed, dtype=spec.param_dtype, mesh=mesh, **layout)
+        return tiny_model(
+            fields["lora"],
+            seed=seed,
+            dtype=spec.param_dtype,
+            mesh=mesh,
+            layout=fields["layout"],
+            remat=spec.remat,
+            remat_policy=spec.remat_policy,
+        )
     source = smollm2_path() if spec.source == "smollm2" else spec.source
-    return load_model(
-        source,
-        dtype=spec.dtype,
-        lora=lora,
-        mesh=mesh,
-        param_dtype=spec.param_dtype,
-        seed=seed,
-        **layout,
-    )
+    return load_model(source, mesh=mesh, seed=seed, **fields)
 
 
 def build_task(task_cfg: config_lib.TaskConfig):

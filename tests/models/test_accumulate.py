@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from jaxgrpo.models.accumulate import add_into_gradient
+from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.tiny import tiny_model_config
 from jaxgrpo.models.transformer import Segment, Transformer
 
@@ -56,7 +57,12 @@ def _loss(model, ids, weight, layer_grad_acc=None):
 
 @pytest.mark.parametrize(
     "layout",
-    [{}, {"unroll_layers": True}, {"remat": True}, {"remat": True, "remat_policy": "projections"}],
+    [
+        {},
+        {"layout": Layout(layer_loop="unroll")},
+        {"remat": True},
+        {"remat": True, "remat_policy": "projections"},
+    ],
     ids=["scan", "unrolled", "remat", "remat_projections"],
 )
 def test_layer_scan_adds_the_accumulator_into_the_layers_gradient(layout):
@@ -89,9 +95,18 @@ def test_layer_scan_adds_the_accumulator_into_the_layers_gradient(layout):
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5, err_msg=jax.tree_util.keystr(path))
 
 
+# The CPU trainer's layout (its kernels), whose buffers the next test measures on XLA:CPU.
+CPU_SCAN = Layout.for_platform("cpu", layer_loop="scan")
+CPU_UNROLL = Layout.for_platform("cpu", layer_loop="unroll")
+
+
 @pytest.mark.parametrize(
     "layout, share",
-    [({}, 0.9), ({"unroll_layers": True}, 0.6), ({"remat": True}, 0.9)],
+    [
+        ({"layout": CPU_SCAN}, 0.9),
+        ({"layout": CPU_UNROLL}, 0.6),
+        ({"layout": CPU_SCAN, "remat": True}, 0.9),
+    ],
     ids=["scan", "unrolled", "remat"],
 )
 def test_layer_scan_needs_no_second_buffer_for_the_layers_gradient(layout, share):

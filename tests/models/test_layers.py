@@ -4,8 +4,6 @@ Weights are loaded into our model through `load_hf_tensors` (the same path as ch
 each component is compared at float32 with rtol = atol = 1e-4 on unpadded positions.
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +14,6 @@ from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.layers import (
     apply_rope,
     attend,
-    project,
     rms_norm,
     rope_cos_sin,
     rope_inv_freq,
@@ -175,64 +172,3 @@ def test_fully_masked_query_rows_stay_finite():
     assert bool(jnp.all(jnp.isfinite(out)))
     grads = jax.jit(jax.grad(lambda q: attend(q, k, v, mask).sum()))(q)
     assert bool(jnp.all(jnp.isfinite(grads)))
-
-
-@pytest.mark.parametrize(
-    "x_shape, kernel_shape, n_in",
-    [((2, 5, 12), (12, 3, 4), 1), ((2, 5, 3, 4), (3, 4, 12), 2), ((7, 12), (12, 2, 9), 1)],
-)
-def test_project_and_its_gradients_equal_tensordot(x_shape, kernel_shape, n_in):
-    """`project` (the kernel gradient formed as x^T dy) equals autodiff of `tensordot`:
-    value and both gradients, for q-like [D] -> [N, H], o-like [N, H] -> [D] and gate_up-like
-    [D] -> [2, F] kernels."""
-    kx, kw, ky = jax.random.split(jax.random.key(5), 3)
-    x, w = jax.random.normal(kx, x_shape), jax.random.normal(kw, kernel_shape)
-    dy = jax.random.normal(ky, x_shape[: len(x_shape) - n_in] + kernel_shape[n_in:])
-
-    def plain(x, w):
-        return jnp.sum(jnp.tensordot(x, w, axes=n_in) * dy)
-
-    def ours(x, w):
-        return jnp.sum(project(x, w, n_in) * dy)
-
-    np.testing.assert_allclose(ours(x, w), plain(x, w), rtol=1e-5)
-    want = jax.grad(plain, argnums=(0, 1))(x, w)
-    got = jax.jit(jax.grad(ours, argnums=(0, 1)))(x, w)
-    for name, g, ref in zip(("dx", "dkernel"), got, want, strict=True):
-        assert g.shape == ref.shape, name
-        np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-4, err_msg=name)
-
-
-@pytest.mark.parametrize("with_prompt", [False, True], ids=["own keys", "with prompt"])
-def test_cpu_attention_backward_equals_autodiff(with_prompt):
-    """`attend`'s hand-written CPU backward (heads-first layout) gives autodiff's gradients for
-    queries, keys, values and the prompt's keys and values within 1e-5 (float32), with masked
-    keys, a masked prompt slot and a query row that sees no key at all."""
-    b, g, t, s, kh, m, h, p = 2, 3, 5, 7, 2, 3, 8, 4
-    keys = jax.random.split(jax.random.key(11), 7)
-    q = jax.random.normal(keys[0], (b * g, t, kh * m, h))
-    k = jax.random.normal(keys[1], (b * g, kh, h, s))
-    v = jax.random.normal(keys[2], (b * g, kh, s, h))
-    mask = jax.random.bernoulli(keys[3], 0.6, (b * g, t, s)).at[1, 2].set(False)
-    dout = jax.random.normal(keys[4], q.shape)
-    prompt = None
-    if with_prompt:
-        prompt_mask = jnp.ones((b, p), bool).at[0, 0].set(False)
-        prompt = (
-            jax.random.normal(keys[5], (b, kh, h, p)),
-            jax.random.normal(keys[6], (b, kh, p, h)),
-            prompt_mask,
-        )
-
-    def loss(platform, q, k, v, prompt_kv):
-        full = None if prompt_kv is None else (*prompt_kv, prompt[2])
-        out = attend(q, k, v, mask, heads_first=True, prompt=full, platform=platform)
-        return jnp.sum(out * dout)
-
-    args = (q, k, v, None if prompt is None else prompt[:2])
-    np.testing.assert_allclose(loss("cpu", *args), loss("tpu", *args), rtol=1e-5)
-    want = jax.grad(functools.partial(loss, "tpu"), argnums=(0, 1, 2, 3))(*args)
-    got = jax.jit(jax.grad(functools.partial(loss, "cpu"), argnums=(0, 1, 2, 3)))(*args)
-    for ref, ours in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
-        assert bool(jnp.all(jnp.isfinite(ours)))
-        np.testing.assert_allclose(ours, ref, rtol=1e-5, atol=1e-5)

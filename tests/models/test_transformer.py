@@ -15,6 +15,7 @@ from flax import nnx
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.init import random_model
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
+from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.transformer import Segment, Transformer
 from jaxgrpo.models.weights import hf_tensors, load_hf_tensors
 
@@ -192,7 +193,8 @@ def test_decode_layers_equal_the_scanned_layers_with_lora(pair, batch, scan_deco
     unrolled over per-layer arrays or scanned over stacked ones, gives the training model's
     logits on a repeated cache, adapters unmerged (1e-5)."""
     _, base, _ = pair
-    cfg = dataclasses.replace(base.cfg, lora=LoRAConfig(rank=4, alpha=8.0), scan_decode=scan_decode)
+    layout = Layout(decode_loop="scan" if scan_decode else "unroll")
+    cfg = dataclasses.replace(base.cfg, lora=LoRAConfig(rank=4, alpha=8.0), layout=layout)
     model = random_model(cfg, seed=3, std=0.1)
     lora = nnx.state(model, nnx.LoRAParam)
     rng = np.random.default_rng(0)
@@ -337,7 +339,7 @@ def test_remat_keeping_projections_recomputes_only_the_attention_core(lora):
 
 
 def test_unrolled_layers_equal_the_scan():
-    """`unroll_layers` changes the program, not the math: logits, gradients and a cached
+    """`layer_loop="unroll"` changes the program, not the math: logits, gradients and a cached
     prefill + decode step equal the scanned layers' (float32, 1e-5)."""
     cfg = _tiny_cfg().replace(num_layers=3)
     model = random_model(cfg)
@@ -349,13 +351,13 @@ def test_unrolled_layers_equal_the_scan():
     def run(state, unroll):
         def loss(state):
             m = nnx.merge(graphdef, state)
-            m.cfg = m.cfg.replace(unroll_layers=unroll)
+            m.cfg = m.cfg.replace(layout=Layout(layer_loop="unroll" if unroll else "scan"))
             logits = m(ids, attention_mask=mask)
             return jnp.mean(jax.nn.log_softmax(logits)[..., 5]), logits
 
         grads, logits = jax.grad(loss, has_aux=True)(state)
         m = nnx.merge(graphdef, state)
-        m.cfg = m.cfg.replace(unroll_layers=unroll)
+        m.cfg = m.cfg.replace(layout=Layout(layer_loop="unroll" if unroll else "scan"))
         cache = init_cache(cfg, 2, 9)
         _, cache = m.prefill(ids, mask, cache)
         h, _ = m.prefill(ids[:, :1], jnp.ones_like(ids[:, :1]), cache)

@@ -13,6 +13,7 @@ from flax import nnx
 
 from jaxgrpo.models import logprobs as lp
 from jaxgrpo.models.config import LoRAConfig
+from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.packing import pack
 from jaxgrpo.models.tiny import tiny_model_config
 from jaxgrpo.models.transformer import Transformer
@@ -80,7 +81,7 @@ def _shared(model, *batch, chunk_size=4, packed=False):
 class _Head:
     """The two things `head_token_logprobs` reads from a model: the head weight and dtype."""
 
-    cfg = type("Cfg", (), {"dtype": "float32"})
+    cfg = type("Cfg", (), {"dtype": "float32", "layout": Layout()})
 
     def __init__(self, w_VD):
         self.w_VD = w_VD
@@ -366,19 +367,20 @@ def _shapes(jaxpr):
     [(1, 3072, 64, 256), (4, 3072, 64, 64), (2, 3072, 64, 128), (1, 100, 64, 100), (64, 40, 8, 8)],
 )
 def test_head_blocks_have_enough_rows_for_the_matmul_on_cpu(rows, t, asked, expected):
-    """On CPU a logits block has at least HEAD_CHUNK_ROWS rows x positions (never fewer
+    """On CPU a logits block has at least the layout's 256 rows x positions (never fewer
     positions than asked, never more than the sequence), so a micro-batch of one packed row
     does not run the head's matmul 64 rows at a time; other platforms keep the asked size."""
-    assert lp.HEAD_CHUNK_ROWS == 256
-    assert lp.head_chunk(rows, t, asked, "cpu") == expected
-    assert lp.head_chunk(rows, t, asked, "tpu") == min(asked, t)
+    cpu = Layout.for_platform("cpu").head_chunk_rows
+    tpu = Layout.for_platform("tpu").head_chunk_rows
+    assert (cpu, tpu) == (256, 0)
+    assert lp.head_chunk(rows, t, asked, cpu) == expected
+    assert lp.head_chunk(rows, t, asked, tpu) == min(asked, t)
 
 
 def test_no_full_vocabulary_logits_for_the_whole_sequence(monkeypatch):
     """Past the keep budget, forward and backward never hold logits for more than one chunk
     of positions."""
     monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", 0)
-    monkeypatch.setattr(lp, "HEAD_CHUNK_ROWS", 1)  # blocks of `chunk` positions, as asked
     model = _model(lora=True)
     graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
     batch = _batch()
