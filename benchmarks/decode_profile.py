@@ -32,7 +32,7 @@ from flax import nnx  # noqa: E402
 
 from jaxgrpo.models import load_model  # noqa: E402
 from jaxgrpo.run.build import smollm2_path  # noqa: E402
-from jaxgrpo.sampling.generate import sampler_programs  # noqa: E402
+from jaxgrpo.sampling import SamplerSettings, sampler_programs  # noqa: E402
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
@@ -130,8 +130,15 @@ def main() -> None:
     model, tok = load_model(smollm2_path())
     ids, mask = tok.encode_chat(CHATS)
     graphdef, state = nnx.split(model)
-    kw = dict(max_new_tokens=t, temperature=1.0, num_samples=g, eos_ids=(), compact_rows=0)
-    prefill, decode, knobs = sampler_programs(graphdef, model.cfg, ids, cache_sizes=sizes, **kw)
+    settings = SamplerSettings(
+        max_new_tokens=t,
+        temperature=1.0,
+        num_samples=g,
+        eos_ids=(),
+        compact_rows=0,
+        cache_sizes=sizes,
+    )
+    prefill, decode, knobs = sampler_programs(graphdef, model.cfg, ids, settings)
     ids, mask = jnp.asarray(ids), jnp.asarray(mask)
 
     def call(seed):

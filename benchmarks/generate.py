@@ -37,7 +37,7 @@ from jaxgrpo.models.config import ModelConfig  # noqa: E402
 from jaxgrpo.models.tokenizer import Tokenizer  # noqa: E402
 from jaxgrpo.models.transformer import Transformer  # noqa: E402
 from jaxgrpo.models.weights import load_hf_tensors  # noqa: E402
-from jaxgrpo.sampling import generate  # noqa: E402
+from jaxgrpo.sampling import SamplerSettings, generate  # noqa: E402
 
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
@@ -132,21 +132,17 @@ def run_ours(
     model, ids, mask, g: int, t: int, repeats: int, lengths: list[int], cache_sizes=None
 ) -> dict:
     """Fastest of ``repeats`` calls that stop every row after each of ``lengths`` tokens."""
+    settings = SamplerSettings(
+        max_new_tokens=t,
+        temperature=1.0,
+        num_samples=g,
+        eos_ids=(),
+        compact_rows=0,  # every row stops at once: one program pair for every length
+        cache_sizes=cache_sizes,
+    )
 
     def call(length, seed=0):
-        out = generate(
-            model,
-            ids,
-            mask,
-            rng=jax.random.key(seed),
-            max_new_tokens=t,
-            temperature=1.0,
-            num_samples=g,
-            eos_ids=(),
-            max_lengths=length,
-            compact_rows=0,  # every row stops at once: one program pair for every length
-            cache_sizes=cache_sizes,
-        )
+        out = generate(model, ids, mask, settings, rng=jax.random.key(seed), max_lengths=length)
         out.tokens.block_until_ready()
         assert int(out.lengths.min()) == length, "every row must run `length` tokens"
         return out

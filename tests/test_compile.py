@@ -163,9 +163,10 @@ def test_multi_host_parameter_shards_follow_the_rules(v5e16):
     devices = aot.topology_devices(preset)
     mesh = sharding.make_mesh(preset.mesh, devices)
     from jaxgrpo.settings import schema as config_lib
+    from jaxgrpo.settings.model import model_config
 
     cfg = config_lib.load_config("tiny", {"mesh.fsdp": 16, "rl.prompts_per_step": 4})
-    learner = aot.abstract_learner(cfg, mesh, aot.model_config(cfg, "tpu"))
+    learner = aot.abstract_learner(cfg, mesh, model_config(cfg.model, "tpu"))
     frozen = learner.programs.frozen
     embed = frozen["embed"].get_value()
     assert embed.sharding.shard_shape(embed.shape) == (384, 64 // 16)

@@ -10,8 +10,10 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
+from jaxgrpo.models import source_config
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.kv_cache import init_cache
+from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.planning import memory
 
@@ -65,7 +67,7 @@ def test_optimizer_state_bytes_equal_adamw_init(name):
     trainable = nnx.state(abstract_model(cfg), nnx.LoRAParam if cfg.lora else nnx.Param)
     optimizer = make_optimizer(load_config("tiny").optim, total_updates=4)
     opt_state = jax.eval_shape(optimizer.init, trainable)
-    run = memory.RunShape(prompts=2, group=4, prompt_len=8, new_tokens=8, beta=0.04)
+    run = memory.RunShape(prompts=2, group=4, prompt_len=8, new_tokens=8, reference=True)
     est = memory.estimate(cfg, run)
     assert 0 <= nbytes(opt_state) - est["opt_state"] <= 16
     assert est["ref_params"] == nbytes(trainable)
@@ -73,10 +75,11 @@ def test_optimizer_state_bytes_equal_adamw_init(name):
     # Over micro-batches a second gradient; with unrolled layers or remat, full fine-tuning's
     # only outside them (their share is added into the running sum in place).
     run2 = run.with_grad_accum(2)
-    scanned = cfg.replace(unroll_layers=False, remat=False)
+    scanned = cfg.replace(layout=Layout(layer_loop="scan"), remat=False)
     assert memory.estimate(scanned, run2)["grads"] == 2 * nbytes(trainable)
     second = nbytes(trainable) if cfg.lora else nbytes(trainable) - nbytes(trainable["layers"])
-    for adding in (scanned.replace(unroll_layers=True), scanned.replace(remat=True)):
+    unrolled = scanned.replace(layout=Layout(layer_loop="unroll"))
+    for adding in (unrolled, scanned.replace(remat=True)):
         assert memory.estimate(adding, run2)["grads"] == nbytes(trainable) + second
 
 
@@ -146,15 +149,15 @@ def test_known_models_match_their_published_sizes():
     """Parameter counts of the table's models vs their model cards (billions, 2 decimals)."""
     published = {"Llama-3.1-8B": 8.03, "Qwen2.5-7B": 7.62, "Llama-3.1-70B": 70.55}
     for name, billions in published.items():
-        cfg = memory.model_config(name)
+        cfg = source_config(name)
         assert round(memory.base_param_count(cfg) / 1e9, 2) == billions, name
-    hub = memory.model_config("mlabonne/Meta-Llama-3.1-8B-Instruct-abliterated")
+    hub = source_config("mlabonne/Meta-Llama-3.1-8B-Instruct-abliterated")
     assert hub.hidden_size == 4096
 
 
 def test_smollm2_gguf_config_matches_known_shape(smollm2_gguf):
-    from_file = memory.model_config(smollm2_gguf)
-    known = memory.model_config("smollm2")
+    from_file = source_config(smollm2_gguf)
+    known = source_config("smollm2")
     assert memory.base_param_count(from_file) == memory.base_param_count(known)
 
 

@@ -11,7 +11,7 @@ import jax
 from flax import nnx
 
 from jaxgrpo.core import sharding
-from jaxgrpo.sampling import StopReason, generate_from_state
+from jaxgrpo.sampling import SamplerSettings, StopReason, generate_from_state
 
 if TYPE_CHECKING:  # the config's type only: settings lie above the evaluation loop
     from jaxgrpo.settings.schema import EvalConfig
@@ -48,6 +48,19 @@ class Settings:
         fields = {k: v for k, v in dataclasses.asdict(eval_cfg).items() if k != "every"}
         return cls(split=split, max_examples=max_examples, seed=seed, **(fields | changes))
 
+    def sampler(self, tokenizer: Any, *, greedy: bool = False) -> SamplerSettings:
+        """The sampler's settings: these knobs, or (``greedy``) one 4-token greedy reply per
+        prompt (the judge's)."""
+        if greedy:
+            return SamplerSettings.for_tokenizer(tokenizer, max_new_tokens=4, temperature=0.0)
+        return SamplerSettings.for_tokenizer(
+            tokenizer,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            num_samples=self.num_samples,
+        )
+
 
 def complete(
     graphdef: Any,
@@ -56,14 +69,14 @@ def complete(
     tokenizer: Any,
     messages: list,
     mesh: Any,
+    settings: SamplerSettings,
     *,
     batch_size: int,
     seed: int = 0,
-    num_samples: int = 1,
     progress: Callable[[int], None] | None = None,
-    **knobs: Any,
 ) -> dict[str, list]:
-    """Completions of every prompt, ``num_samples`` each, ``batch_size`` prompts per call.
+    """Completions of every prompt, ``settings.num_samples`` each, ``batch_size`` prompts per
+    call.
 
     A fixed batch shape (the last batch padded with its final prompt) compiles once; the
     padding's completions are dropped. Prompt rows are sharded as in training.
@@ -73,11 +86,10 @@ def complete(
       tokenizer: its ``encode_chat`` gives the left-padded prompts.
       messages: [B] chats.
       mesh: the device mesh.
+      settings: how to sample (G = ``settings.num_samples`` completions per prompt).
       batch_size: prompts per call.
       seed: batch i samples with ``fold_in(key(seed), i)``.
-      num_samples: completions per prompt (G).
       progress: called with the number of prompts each finished batch completed.
-      **knobs: ``generate``'s other keyword arguments (``max_new_tokens``, ``temperature``...).
 
     Returns:
       ``texts`` [B * G], ``lengths``, ``truncated`` and ``tokens`` (lists of ids), grouped by
@@ -95,13 +107,10 @@ def complete(
             model_cfg,
             sharding.put_batch(ids, mesh),
             sharding.put_batch(mask, mesh),
+            settings,
             rng=jax.random.fold_in(key, i),
-            eos_ids=tokenizer.eos_ids,
-            num_samples=num_samples,
-            pad_id=tokenizer.pad_id,
-            **knobs,
         )
-        keep = len(chunk) * num_samples
+        keep = len(chunk) * settings.num_samples
         tokens, tmask = sharding.to_host(res.tokens)[:keep], sharding.to_host(res.mask)[:keep]
         stop = sharding.to_host(res.stop_reason)[:keep]
         out["texts"] += tokenizer.batch_decode(tokens, tmask)
@@ -130,11 +139,8 @@ def sample(
         tokenizer,
         messages,
         mesh,
+        settings.sampler(tokenizer, greedy=greedy),
         batch_size=settings.batch_size,
         seed=settings.seed,
-        num_samples=1 if greedy else settings.num_samples,
-        max_new_tokens=4 if greedy else settings.max_new_tokens,
-        temperature=0.0 if greedy else settings.temperature,
-        top_p=1.0 if greedy else settings.top_p,
         progress=progress,
     )

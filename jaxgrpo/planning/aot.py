@@ -27,14 +27,16 @@ from flax import nnx
 
 from jaxgrpo.core import presets, sharding
 from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
-from jaxgrpo.models.config import LoRAConfig, ModelConfig, unrolls_layers
+from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.planning import flops, memory
+from jaxgrpo.rl import held_out
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.programs import abstract_array
 from jaxgrpo.sampling import sampler_programs
+from jaxgrpo.settings.model import model_config
 
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
@@ -61,26 +63,6 @@ def topology_devices(preset: presets.Preset) -> list:
         num_slices=1,
     )
     return list(desc.devices)
-
-
-def model_config(cfg: Any, platform: str) -> ModelConfig:
-    """The run's ``ModelConfig`` from its model section, with the layer loop the trainer picks
-    on ``platform`` (``jaxgrpo.models.config.unrolls_layers``)."""
-    m = cfg.model
-    lora = None
-    if m.lora_rank > 0:
-        lora = LoRAConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
-    unroll = unrolls_layers(m.layer_loop, m.lora_rank, m.remat, platform)
-    return memory.model_config(
-        m.source,
-        lora=lora,
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        remat=m.remat,
-        remat_policy=m.remat_policy,
-        unroll_layers=unroll,
-        platform=platform,
-    )
 
 
 def abstract_learner(cfg: Any, mesh, model_cfg: ModelConfig) -> Learner:
@@ -161,18 +143,18 @@ def _knobs(knobs, replicated):
     return jax.tree.map(lambda x: abstract_array(x, replicated), knobs)
 
 
-def _sampler(learner, name, prompts, prompt_len, kwargs, devices) -> list[Program]:
+def _sampler(learner, name, prompts, prompt_len, settings, devices) -> list[Program]:
     """Compiles one ``generate_from_state`` call's prefill and decode."""
     step, mesh = learner.programs, learner.mesh
     cfg = step.model_cfg
     ids = abstract_array(
         np.zeros((prompts, prompt_len), np.int32), sharding.batch_sharding(mesh, prompts, 2)
     )
-    prefill, decode, knobs = sampler_programs(step.graphdef, cfg, ids, **kwargs)
+    prefill, decode, knobs = sampler_programs(step.graphdef, cfg, ids, settings)
     knobs = _knobs(knobs, step.replicated)
     states = (step.params0, step.frozen)
     rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=step.replicated)
-    n, t = prompts * kwargs.get("num_samples", 1), kwargs["max_new_tokens"]
+    n, t = prompts * settings.num_samples, settings.max_new_tokens
     f = flops.prefill(cfg, prompts, prompt_len), flops.decode(cfg, n, prompt_len, t)
     f = (f[0], f[0]), (f[1], f[1])
     w = flops.weight_bytes(cfg) / devices
@@ -198,7 +180,7 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
     want = lambda name: wanted is None or name.startswith(tuple(wanted))  # noqa: E731
     programs = []
     if want("sample"):
-        programs += _sampler(learner, "sample", b, p, learner.sampler_kwargs(0), d)
+        programs += _sampler(learner, "sample", b, p, learner.sampler_settings(0), d)
     batch = step.abstract_batch(p, t)
     inputs = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask, batch.temps)
     score = (step.params0, step.frozen, *inputs, batch.packing, batch.shared_ids)
@@ -218,10 +200,7 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         calls = rl.ppo_epochs * rl.num_minibatches
         programs.append(_compile("update", step.update, args, calls, f, 3 * w))
     if want("eval"):
-        tok = learner.tokenizer
-        # The arguments of jaxgrpo.rl.held_out.evaluate's generate_from_state call.
-        kwargs = dict(max_new_tokens=t, temperature=0.0, eos_ids=tok.eos_ids, pad_id=tok.pad_id)
-        programs += _sampler(learner, "eval", n, p, kwargs, d)
+        programs += _sampler(learner, "eval", n, p, held_out.sampler_settings(learner), d)
     return programs
 
 
@@ -244,7 +223,7 @@ def compile_step(
     platform = devices[0].platform
     shape = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor")}
     mesh = sharding.make_mesh(shape, devices)
-    model_cfg = model_config(cfg, platform)
+    model_cfg = model_config(cfg.model, platform)
     learner = abstract_learner(cfg, mesh, model_cfg)
     p, t = bucket_length(prompt_len), cfg.sampling.max_new_tokens
     programs = _step_programs(learner, p, t, only)
@@ -266,7 +245,7 @@ def compile_step(
         old_logp=learner.programs.old_from,
         remat=model_cfg.remat,
         remat_policy=model_cfg.remat_policy,
-        unroll_layers=model_cfg.unroll_layers,
+        layer_loop=model_cfg.layout.layer_loop,
     )
     return programs, facts
 

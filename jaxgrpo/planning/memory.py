@@ -51,13 +51,13 @@ from jaxgrpo.core.presets import (
     ARCHITECTURES,
     GIB,
     PRESETS,
-    RANDOM_PREFIX,
-    find_architecture,
     get_preset,
 )
 from jaxgrpo.core.sharding import sampling_layout
 from jaxgrpo.models.config import LORA_TARGETS, ModelConfig
 from jaxgrpo.models.logprobs import band_layout, head_chunk
+from jaxgrpo.rl.objective import scores_reference
+from jaxgrpo.settings.model import model_config as run_model_config
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 # Architectures that repeat another one's shape: left out of the fit table.
@@ -112,7 +112,7 @@ class RunShape:
       new_tokens: T, max_new_tokens.
       micro_batches: num_minibatches * grad_accum (a micro-batch holds B / this prompts).
       grad_accum: micro-batches summed per update.
-      beta: KL coefficient (> 0 keeps a reference policy).
+      reference: the run keeps a reference policy (``jaxgrpo.rl.objective.scores_reference``).
       packed: ``rl.pack_completions``: the update's rows are a micro-batch's prompts, each
         packing its G completions; they split over data x fsdp only when they divide evenly
         (else every device scores all of them, as ``sharding.batch_sharding`` places them).
@@ -124,7 +124,7 @@ class RunShape:
     new_tokens: int
     micro_batches: int = 1
     grad_accum: int = 1
-    beta: float = 0.0
+    reference: bool = False
     packed: bool = True
 
     def with_grad_accum(self, grad_accum: int) -> RunShape:
@@ -192,7 +192,7 @@ def estimate(
     out["opt_state"] = 2 * trainable
     # LoRA: zero adapters in the state. Full fine-tuning: the initial weights ("params") are
     # the reference, and this is the trained copy the state holds beside them.
-    out["ref_params"] = trainable if run.beta > 0 else 0.0
+    out["ref_params"] = trainable if run.reference else 0.0
     rows = math.ceil(run.prompts * run.group / rows_split)
     seq = run.prompt_len + run.new_tokens
     kv_heads = max(1, cfg.num_kv_heads // mesh["tensor"])
@@ -253,61 +253,14 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
         kept = cfg.num_layers * layer
     # One logits block of each row (`head_chunk`): packed, a row is a prompt's G completions.
     logit_rows = prompts if run.packed else rows
-    block = head_chunk(logit_rows, t, platform=cfg.platform)
+    block = head_chunk(logit_rows, t, min_rows=cfg.layout.head_chunk_rows)
     logits = 3.0 * logit_rows * block * cfg.vocab_size / tensor * 4
     return kept + logits
 
 
-def model_config(source: str, *, lora: Any = None, **overrides: Any) -> ModelConfig:
-    """The ``ModelConfig`` of a model source without loading weights.
-
-    Args:
-      source: ``"tiny"``, ``"smollm2"``, an ``ARCHITECTURES`` name or ``random:<name>`` (or
-        a hub id containing one, case-insensitive), a local HF directory or a ``.gguf`` file.
-      lora: ``LoRAConfig`` or None.
-      **overrides: ModelConfig fields (dtype, param_dtype, remat).
-
-    Raises:
-      ValueError: the source is none of these (hub ids are not downloaded).
-    """
-    import os
-
-    if source == "tiny":
-        from jaxgrpo.models.tiny import tiny_model_config
-
-        return tiny_model_config().replace(lora=lora, **overrides)
-    if source == "smollm2":
-        source = "SmolLM2-135M"
-    name = find_architecture(source.removeprefix(RANDOM_PREFIX))
-    if name is not None and not os.path.exists(os.path.expanduser(source)):
-        hf = ARCHITECTURES[name]
-        return ModelConfig.from_hf_config(hf, lora=lora, **overrides)
-    if os.path.exists(os.path.expanduser(source)):
-        from jaxgrpo.models import read_source
-
-        return ModelConfig.from_hf_config(read_source(source)[0], lora=lora, **overrides)
-    raise ValueError(
-        f"unknown model source {source!r} for the memory estimate: pass a local directory, a "
-        f".gguf file, or one of {', '.join(ARCHITECTURES)} (--model)"
-    )
-
-
 def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
     """(ModelConfig, RunShape) of a ``TrainConfig``; ``model`` replaces ``cfg.model.source``."""
-    from jaxgrpo.models.config import LoRAConfig
-
-    m = cfg.model
-    lora = None
-    if m.lora_rank > 0:
-        lora = LoRAConfig(rank=m.lora_rank, alpha=m.lora_alpha, targets=tuple(m.lora_targets))
-    model_cfg = model_config(
-        model or m.source,
-        lora=lora,
-        dtype=m.dtype,
-        param_dtype=m.param_dtype,
-        remat=m.remat,
-        remat_policy=m.remat_policy,
-    )
+    model_cfg = run_model_config(cfg.model, "tpu", source=model)
     rl = cfg.rl
     run = RunShape(
         prompts=rl.prompts_per_step,
@@ -316,7 +269,7 @@ def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
         new_tokens=cfg.sampling.max_new_tokens,
         micro_batches=rl.num_minibatches * rl.grad_accum,
         grad_accum=rl.grad_accum,
-        beta=rl.beta,
+        reference=scores_reference(rl),
         packed=rl.pack_completions,
     )
     return model_cfg, run

@@ -10,6 +10,16 @@ from jaxgrpo.core.sharding import to_host
 from jaxgrpo.eval.completions import complete
 from jaxgrpo.rewards.inputs import reward_inputs
 from jaxgrpo.rl import step_metrics
+from jaxgrpo.sampling import SamplerSettings
+
+
+def sampler_settings(learner: Any) -> SamplerSettings:
+    """Greedy completions as long as the rollouts' (``sampling.max_new_tokens``), one per
+    prompt, stopping at the tokenizer's stop tokens."""
+    max_new_tokens = learner.cfg.sampling.max_new_tokens
+    return SamplerSettings.for_tokenizer(
+        learner.tokenizer, max_new_tokens=max_new_tokens, temperature=0.0
+    )
 
 
 def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, float]:
@@ -38,9 +48,8 @@ def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, fl
         tok,
         messages,
         learner.mesh,
+        sampler_settings(learner),
         batch_size=learner.rl.prompts_per_step * learner.rl.group_size,
-        max_new_tokens=learner.cfg.sampling.max_new_tokens,
-        temperature=0.0,
     )
     prompts = [tok.apply_chat_template(m) for m in messages]
     step = int(to_host(state.step))  # the evaluated parameters' step, for trainer_state

@@ -14,6 +14,7 @@ public (``collect``, ``prepare``, ``optimize``), so benchmarks time them one by 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from jaxgrpo.rl.programs import StepPrograms
 from jaxgrpo.rl.train_state import (
     TrainState,
 )
-from jaxgrpo.sampling import generate_from_state, schedules
+from jaxgrpo.sampling import SamplerSettings, generate_from_state, schedules
 
 Draw = Callable[[int], Sequence[dict]]
 
@@ -49,6 +50,7 @@ class Learner:
 
     Attributes:
         programs: the step's compiled programs, their shardings and the frozen weights.
+        sampler: the rollouts' sampler settings (a step samples at its own temperature).
         buckets: the batch widths seen so far (they only grow: few recompiles).
     """
 
@@ -57,6 +59,9 @@ class Learner:
         self.tokenizer, self.task, self.reward_set = tokenizer, task, reward_set
         self.mesh = mesh if mesh is not None else sharding.make_mesh({"data": -1})
         self.programs = StepPrograms(cfg, model, self.mesh)
+        self.sampler = SamplerSettings.from_config(
+            cfg.sampling, tokenizer, num_samples=self.rl.group_size
+        )
         self._temperature = self._make_temperature()
         self.buckets = ro.ShapeBuckets()
 
@@ -103,13 +108,11 @@ class Learner:
         state = self._maybe_reset_reference(state, step)
         next_step, next_rng, k_sample, k_shuffle = self.programs.advance(state.step, state.rng)
         timer = step_metrics.Timer()
-        # Each phase's programs reuse the heap the last one freed, whose pages go back first:
-        # the step's peak is its largest phase's, not their sum (`release_freed_memory`).
-        release_freed_memory()
+        self._end_phase()
         rollout, draws = self.collect(state, list(examples), k_sample, step, draw, timer)
-        release_freed_memory()
+        self._end_phase()
         batch, extra = self.prepare(state, rollout, timer)
-        release_freed_memory()
+        self._end_phase()
         with timer("update"):
             state, update_metrics = self.optimize(state, batch, k_shuffle)
         state = state.replace(step=next_step, rng=next_rng)
@@ -130,6 +133,13 @@ class Learner:
         )
         return state, metrics, step_metrics.samples(rollout, extra["advantages"], step)
 
+    def _end_phase(self) -> None:
+        """Between a step's phases: where the layout says so (`Layout.release_memory`), the
+        heap's freed pages go back first, so the next phase's programs reuse them and the
+        step's peak is its largest phase's, not their sum (`release_freed_memory`)."""
+        if self.programs.layout.release_memory:
+            release_freed_memory()
+
     def _maybe_reset_reference(self, state: TrainState, step: int) -> TrainState:
         every = self.rl.ref_reset_every
         if not (self.programs.needs_ref and every > 0 and step > 0 and step % every == 0):
@@ -139,21 +149,9 @@ class Learner:
             state = state.replace(opt_state=self.programs.opt_init(state.params))
         return state
 
-    def sampler_kwargs(self, step: int) -> dict[str, Any]:
-        """The keyword arguments of the step's `generate_from_state` call (rollouts)."""
-        sp, tok = self.cfg.sampling, self.tokenizer
-        return dict(
-            max_new_tokens=sp.max_new_tokens,
-            temperature=self._temperature(step),
-            top_p=sp.top_p,
-            top_k=sp.top_k,
-            min_p=sp.min_p,
-            eos_ids=tok.eos_ids,
-            num_samples=self.rl.group_size,
-            repetition_ngram=sp.repetition_guard[0],
-            repetition_count=sp.repetition_guard[1],  # the sampler holds it at >= 2
-            pad_id=tok.pad_id,
-        )
+    def sampler_settings(self, step: int) -> SamplerSettings:
+        """The step's rollout settings: the run's (`sampler`) at the step's temperature."""
+        return dataclasses.replace(self.sampler, temperature=self._temperature(step))
 
     def _sample(self, state, examples, key, step, timer) -> ro.Rollout:
         """Samples G completions per example and scores them (one sampling round)."""
@@ -167,8 +165,8 @@ class Learner:
                 self.programs.model_cfg,
                 sharding.put_batch(ids, self.mesh),
                 sharding.put_batch(mask, self.mesh),
+                self.sampler_settings(step),
                 rng=key,
-                **self.sampler_kwargs(step),
             )
             host = {k: sharding.to_host(getattr(out, k)) for k in step_metrics.SAMPLE_FIELDS}
             timer.add_tokens(int(host["lengths"].sum()))

@@ -38,14 +38,14 @@ because a sequence is never split.) The same holds for ``entropy_threshold``: pa
 whole-step value from ``top_entropy_threshold`` instead of ``top_entropy_frac``. Under
 ``jit`` over a sharded mesh (GSPMD) the arrays already are the whole step: nothing to pass.
 
-Everything is a pure, jittable function of arrays. Strings and ``None``-able options fix the
-program structure (static); all numeric coefficients may be traced, so changing them between
-steps never recompiles.
+A run's choices are one ``Objective`` (the preset's parts and every coefficient), built once
+and passed whole to ``policy_loss``. Everything is a pure, jittable function of arrays. Strings
+and ``None``-able options fix the program structure (static); all numeric coefficients may be
+traced, so changing them between steps never recompiles.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -53,58 +53,7 @@ import jax.numpy as jnp
 
 from jaxgrpo.core.shapes import Array
 from jaxgrpo.rl.kl import kl_estimate, warn_if_k1_in_loss
-
-SURROGATES = ("clip", "reinforce")
-AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant")
-RATIO_LEVELS = ("token", "sequence")
-
-
-@dataclasses.dataclass(frozen=True)
-class LossSpec:
-    """The static structure of a policy loss.
-
-    Attributes:
-      surrogate: ``"clip"`` or ``"reinforce"``.
-      aggregation: ``"seq_mean_token_mean"``, ``"token_mean"`` or ``"constant"``.
-      ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
-      adv_scale: the advantage scaling the method is defined with (``rl.adv_scale="auto"``
-        takes it): Dr. GRPO removes the std scaling along with the length normalisation.
-    """
-
-    surrogate: str
-    aggregation: str
-    ratio_level: str = "token"
-    adv_scale: str = "group"
-
-
-LOSS_PRESETS: dict[str, LossSpec] = {
-    "grpo": LossSpec("clip", "seq_mean_token_mean"),
-    "dapo": LossSpec("clip", "token_mean"),
-    "dr_grpo": LossSpec("clip", "constant", adv_scale="none"),
-    "gr_reinforce": LossSpec("reinforce", "seq_mean_token_mean"),
-    "gspo": LossSpec("clip", "seq_mean_token_mean", "sequence"),
-}
-
-
-def resolve_spec(loss_type, surrogate=None, aggregation=None, ratio_level=None) -> LossSpec:
-    """The preset ``loss_type`` with any explicitly given part overriding it."""
-    if loss_type not in LOSS_PRESETS:
-        raise ValueError(f"loss_type must be one of {sorted(LOSS_PRESETS)}, got {loss_type!r}")
-    base = LOSS_PRESETS[loss_type]
-    spec = LossSpec(
-        surrogate or base.surrogate,
-        aggregation or base.aggregation,
-        ratio_level or base.ratio_level,
-        base.adv_scale,
-    )
-    for value, allowed, name in (
-        (spec.surrogate, SURROGATES, "surrogate"),
-        (spec.aggregation, AGGREGATIONS, "aggregation"),
-        (spec.ratio_level, RATIO_LEVELS, "ratio_level"),
-    ):
-        if value not in allowed:
-            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
-    return spec
+from jaxgrpo.rl.loss_spec import AGGREGATIONS, Objective
 
 
 def loss_normalizers(mask: Array) -> dict[str, Array]:
@@ -278,24 +227,11 @@ def policy_loss(
     ref_logp,
     advantages,
     mask,
+    objective: Objective,
     *,
-    loss_type: str = "grpo",
-    eps_low=0.2,
-    eps_high=0.2,
-    beta=0.0,
-    kl_estimator: str = "k3",
-    kl_bias_correction: bool = False,
-    max_completion_length=None,
-    surrogate: str | None = None,
-    aggregation: str | None = None,
-    ratio_level: str | None = None,
-    dual_clip=None,
-    ratio_cap=None,
-    entropy_coef=0.0,
     logits=None,
     temperature=1.0,
     entropy=None,
-    top_entropy_frac=None,
     entropy_threshold=None,
     is_weights=None,
     num_tokens=None,
@@ -303,8 +239,8 @@ def policy_loss(
 ):
     """GRPO-family loss ``pg + beta * kl - entropy_coef * entropy``, each part aggregated.
 
-    Strings are static; every numeric coefficient may be a traced array. ``None`` options are
-    off (static). Formulas, presets and the global-normaliser rule are in the module docstring.
+    ``objective`` holds the loss's structure and coefficients; the keyword arguments are this
+    call's data. Formulas, presets and the global-normaliser rule are in the module docstring.
 
     Args:
       logp: ``[R, T]`` log pi_theta of the sampled tokens (differentiated).
@@ -313,29 +249,13 @@ def policy_loss(
       ref_logp: ``[R, T]`` reference log-probs, or None to skip the KL term.
       advantages: ``[R]`` per-sequence advantages.
       mask: ``[R, T]`` valid completion tokens (bool or 0/1); other entries may hold garbage.
-      loss_type: preset name, a key of ``LOSS_PRESETS``.
-      eps_low: lower clip range, ``r >= 1 - eps_low`` where ``A < 0``.
-      eps_high: upper clip range, ``r <= 1 + eps_high`` where ``A > 0``.
-      beta: weight of the per-token KL term.
-      kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` with ``d = ref_logp - logp`` (see ``kl``).
-      kl_bias_correction: multiply the per-token KL by the importance ratio ``r`` (with its
-        gradient; token or sequence level as the ratio): TRL's ``use_bias_correction_kl``,
-        the unbiased reverse-KL gradient of DeepSeek-V3.2. It changes the gradient even
-        on-policy, where ``r = 1`` but ``grad r = grad logp``.
-      max_completion_length: the ``"constant"`` normaliser's length; defaults to ``T``.
-      surrogate: overrides the preset's surrogate (``"clip"``/``"reinforce"``).
-      aggregation: overrides the preset's aggregation.
-      ratio_level: overrides the preset's ratio level (``"token"``/``"sequence"``).
-      dual_clip: ``c > 1``: the loss of ``A < 0`` tokens is at most ``-c*A``.
-      ratio_cap: upper cap on the unclipped ratio, ``min(r, ratio_cap)``.
-      entropy_coef: entropy bonus weight (needs ``logits`` or ``entropy``).
+      objective: the ``Objective``.
       logits: ``[R, T, V]`` logits for the entropy, scaled by ``temperature``.
       temperature: scalar or ``[R, T]`` sampling temperature for ``logits``.
       entropy: ``[R, T]`` per-token entropy, used instead of ``logits`` when given.
-      top_entropy_frac: keep the policy-gradient term only on this fraction of the valid
-        tokens with the highest entropy (KL and entropy terms stay on all tokens).
-      entropy_threshold: explicit threshold for that restriction (whole-step value from
-        ``top_entropy_threshold``); takes precedence over ``top_entropy_frac``.
+      entropy_threshold: explicit threshold for the ``top_entropy_frac`` restriction
+        (whole-step value from ``top_entropy_threshold``); takes precedence over
+        ``objective.top_entropy_frac``.
       is_weights: ``[R, T]`` importance weights multiplied into the policy term, without
         gradient (e.g. ``truncated_is_weights`` for sampler/trainer mismatch).
       num_tokens: whole-step valid-token count (``"token_mean"``); default: this batch's.
@@ -348,7 +268,8 @@ def policy_loss(
       ``ratio_max``, ``num_tokens`` and, with an entropy, ``entropy_mean`` and
       ``frac_tokens_pg``. Means are over this batch's valid tokens.
     """
-    spec = resolve_spec(loss_type, surrogate, aggregation, ratio_level)
+    o = objective
+    spec = o.spec
     dtype = jnp.promote_types(jnp.asarray(logp).dtype, jnp.float32)
     valid_RT = jnp.asarray(mask).astype(bool)
     clean = functools.partial(_clean, valid_RT=valid_RT, dtype=dtype)
@@ -361,9 +282,9 @@ def policy_loss(
         aggregation=spec.aggregation,
         num_tokens=num_tokens,
         num_sequences=num_sequences,
-        max_completion_length=max_completion_length,
+        max_completion_length=o.max_completion_length,
     )
-    clip_args = (eps_low, eps_high, dual_clip, ratio_cap)
+    clip_args = (o.eps_low, o.eps_high, o.dual_clip, o.ratio_cap)
     pg_RT, metrics = _policy_term_RT(spec, logp_RT, old_RT, adv_R1, valid_RT, clip_args)
     if is_weights is not None:
         pg_RT = pg_RT * jax.lax.stop_gradient(clean(is_weights))
@@ -371,10 +292,10 @@ def policy_loss(
     if entropy is not None or logits is not None:
         ent_RT = clean(entropy if entropy is not None else token_entropy(logits, temperature))
         metrics["entropy_mean"] = _masked_mean(jax.lax.stop_gradient(ent_RT), valid_RT)
-    if entropy_threshold is None and top_entropy_frac is not None:
+    if entropy_threshold is None and o.top_entropy_frac is not None:
         if ent_RT is None:
             raise ValueError("top_entropy_frac needs `logits` or `entropy`")
-        entropy_threshold = top_entropy_threshold(ent_RT, valid_RT, top_entropy_frac)
+        entropy_threshold = top_entropy_threshold(ent_RT, valid_RT, o.top_entropy_frac)
     if entropy_threshold is not None:
         keep_RT = jax.lax.stop_gradient(ent_RT) >= entropy_threshold
         pg_RT = jnp.where(keep_RT, pg_RT, jnp.zeros_like(pg_RT))
@@ -382,19 +303,19 @@ def policy_loss(
     metrics["policy_loss"] = agg(pg_RT)
     metrics["kl_loss"] = metrics["kl_mean"] = jnp.zeros((), dtype)
     if ref_logp is not None:
-        warn_if_k1_in_loss(kl_estimator, beta)
-        kl_RT = kl_estimate(logp_RT, clean(ref_logp), kl_estimator)
-        if kl_bias_correction:
+        warn_if_k1_in_loss(o.kl_estimator, o.beta)
+        kl_RT = kl_estimate(logp_RT, clean(ref_logp), o.kl_estimator)
+        if o.kl_bias_correction:
             kl_RT = kl_RT * jnp.exp(_log_ratio_RT(logp_RT, old_RT, valid_RT, spec.ratio_level))
-        metrics["kl_loss"] = beta * agg(kl_RT)
+        metrics["kl_loss"] = o.beta * agg(kl_RT)
         metrics["kl_mean"] = _masked_mean(jax.lax.stop_gradient(kl_RT), valid_RT)
     metrics["entropy_loss"] = jnp.zeros((), dtype)
     # A Python-literal 0 drops the term from the graph, so no backward pass runs through the
     # entropy (0 * grad is not simplified away by XLA); a traced coefficient keeps it.
-    if not (isinstance(entropy_coef, int | float) and entropy_coef == 0):
+    if not (isinstance(o.entropy_coef, int | float) and o.entropy_coef == 0):
         if ent_RT is None:
             raise ValueError("entropy_coef needs `logits` or `entropy`")
-        metrics["entropy_loss"] = -entropy_coef * agg(ent_RT)
+        metrics["entropy_loss"] = -o.entropy_coef * agg(ent_RT)
     loss = metrics["policy_loss"] + metrics["kl_loss"] + metrics["entropy_loss"]
     metrics["loss"] = loss
     metrics = {k: jax.lax.stop_gradient(jnp.asarray(v, dtype)) for k, v in metrics.items()}

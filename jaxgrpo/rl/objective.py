@@ -24,72 +24,63 @@ from flax import nnx
 from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.models.accumulate import add_into_gradient
 from jaxgrpo.models.logprobs import shared_prefix_logprobs
+from jaxgrpo.rl.loss_spec import Objective
 from jaxgrpo.rl.losses import loss_normalizers, policy_loss, truncated_is_weights
 from jaxgrpo.rl.rollout import RolloutBatch
 
 
+def scores_reference(rl) -> bool:
+    """Whether a run keeps and scores a reference policy: ``beta > 0`` in its ``RLConfig``
+    (``rl``), the KL going into the loss or, with ``kl_in_reward``, into the rewards."""
+    return rl.beta > 0
+
+
 @dataclasses.dataclass(frozen=True)
 class ObjectiveSpec:
-    """Static choices of the loss (hashable; closed over by the compiled update).
+    """Static choices of the update's loss (hashable; closed over by the compiled update).
 
     Attributes:
+        loss: what `policy_loss` optimises, passed to it whole.
         group_size: G.
-        loss_type: `policy_loss` preset.
-        eps_low / eps_high: clip ranges.
-        ratio_cap: cap on the unclipped ratio (TRL's delta); None = off.
-        dual_clip: dual-clip constant c > 1; None = off.
-        top_entropy_frac: policy gradient on this fraction of highest-entropy tokens of each
-            micro-batch; None = all tokens.
-        beta: KL coefficient in the loss (0 when the KL goes into the reward).
-        kl_estimator: "k1", "k2" or "k3".
-        kl_bias_correction: KL times the importance ratio (TRL's use_bias_correction_kl).
-        entropy_coef: entropy bonus weight.
         tis_cap: truncated importance-sampling cap; 0 = off.
         use_old_logp: take behaviour log-probs from the batch (several updates per rollout).
         use_ref_logp: add the KL term against the batch's reference log-probs.
         chunk_size: positions per logits block.
-        max_completion_length: the constant that dr_grpo divides by (the sampler's
-            max_new_tokens; the batch itself may be trimmed to its longest completion).
     """
 
+    loss: Objective
     group_size: int
-    loss_type: str
-    eps_low: float
-    eps_high: float
-    beta: float
-    kl_estimator: str
-    entropy_coef: float
     tis_cap: float
     use_old_logp: bool
     use_ref_logp: bool
     chunk_size: int = 64
-    max_completion_length: int | None = None
-    ratio_cap: float | None = None
-    dual_clip: float | None = None
-    top_entropy_frac: float | None = None
-    kl_bias_correction: bool = False
 
     @classmethod
     def from_config(cls, rl, sampling, *, use_old_logp: bool) -> ObjectiveSpec:
         """The loss of a run: its ``RLConfig`` (``rl``, where 0 turns an option off) and the
-        sampler's ``max_new_tokens`` (Dr. GRPO's constant); ``use_old_logp`` is the learner's
-        choice (several updates per rollout)."""
-        return cls(
-            group_size=rl.group_size,
-            loss_type=rl.loss_type,
+        sampler's ``max_new_tokens`` (Dr. GRPO's constant: the batch itself may be trimmed to
+        its longest completion); ``use_old_logp`` is the learner's choice (several updates
+        per rollout)."""
+        kl_in_loss = scores_reference(rl) and not rl.kl_in_reward
+        loss = Objective.preset(
+            rl.loss_type,
             eps_low=rl.eps_low,
             eps_high=rl.eps_high,
             beta=0.0 if rl.kl_in_reward else rl.beta,
             kl_estimator=rl.kl_estimator,
             kl_bias_correction=rl.kl_bias_correction,
-            ratio_cap=rl.ratio_cap or None,
+            max_completion_length=sampling.max_new_tokens,
             dual_clip=rl.dual_clip or None,
-            top_entropy_frac=rl.top_entropy_frac or None,
+            ratio_cap=rl.ratio_cap or None,
             entropy_coef=rl.entropy_coef,
+            top_entropy_frac=rl.top_entropy_frac or None,
+        )
+        return cls(
+            loss=loss,
+            group_size=rl.group_size,
             tis_cap=rl.tis_cap,
             use_old_logp=use_old_logp,
-            use_ref_logp=rl.beta > 0 and not rl.kl_in_reward,
-            max_completion_length=sampling.max_new_tokens,
+            use_ref_logp=kl_in_loss,
         )
 
 
@@ -171,17 +162,7 @@ def make_loss_fn(
             take(batch.ref_logp, rows) if spec.use_ref_logp else None,
             take(batch.advantages, rows),
             mask,
-            loss_type=spec.loss_type,
-            eps_low=spec.eps_low,
-            eps_high=spec.eps_high,
-            beta=spec.beta,
-            kl_estimator=spec.kl_estimator,
-            kl_bias_correction=spec.kl_bias_correction,
-            ratio_cap=spec.ratio_cap,
-            dual_clip=spec.dual_clip,
-            top_entropy_frac=spec.top_entropy_frac,
-            max_completion_length=spec.max_completion_length or batch.tokens.shape[1],
-            entropy_coef=spec.entropy_coef,
+            spec.loss,
             entropy=entropy,
             is_weights=is_weights,
             **norms,

@@ -31,7 +31,7 @@ from jaxgrpo.models.logprobs import make_logprobs_fn
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl.batch_layout import check_batch_layout
-from jaxgrpo.rl.objective import ObjectiveSpec, make_loss_fn
+from jaxgrpo.rl.objective import ObjectiveSpec, make_loss_fn, scores_reference
 from jaxgrpo.rl.run_log import warn_once
 from jaxgrpo.rl.train_state import (
     TrainState,
@@ -40,12 +40,6 @@ from jaxgrpo.rl.train_state import (
     make_update_fn,
     opt_state_shardings,
 )
-
-# `rl.micro_batch_columns = -1` on CPU hosts: token columns one micro-batch of the update scores
-# per device before the minibatch splits further (benchmarks/README.md, "The update in
-# micro-batches": the 512-token gsm8k update in 4 micro-batches of one packed row ran faster than in
-# one of four).
-AUTO_MICRO_BATCH_COLUMNS = 4096
 
 
 class StepPrograms:
@@ -85,8 +79,11 @@ class StepPrograms:
         self.updates_per_step = self.rl.ppo_epochs * self.rl.num_minibatches
         total = max(1, cfg.steps * self.updates_per_step)
         self.schedule = make_schedule(cfg.optim, total, self.updates_per_step)
-        self.optimizer = make_optimizer(cfg.optim, total, self.updates_per_step)
-        self.needs_ref = self.rl.beta > 0
+        self.layout = self.model_cfg.layout
+        self.optimizer = make_optimizer(
+            cfg.optim, total, self.updates_per_step, self.layout.grad_norm
+        )
+        self.needs_ref = scores_reference(self.rl)
         # Full fine-tuning's reference is the initial weights (`params0`) until a reset.
         self.ref_in_state = self.needs_ref and (self.lora or self.rl.ref_reset_every > 0)
         self.old_from = self._old_logp_source()
@@ -146,6 +143,7 @@ class StepPrograms:
             batch_sh=self.batch_shardings(),
             idx_sh=self.replicated,
             accumulating_loss=self.model_cfg.adds_layer_gradients_in_place,
+            norm_kernel=self.layout.grad_norm,
         )
 
     def batch_shardings(self) -> ro.RolloutBatch:
@@ -210,9 +208,8 @@ class StepPrograms:
         """
         rl = self.rl
         budget = rl.micro_batch_columns
-        if budget < 0:
-            cpu = self.mesh.devices.flat[0].platform == "cpu"
-            budget = AUTO_MICRO_BATCH_COLUMNS if cpu else 0
+        if budget < 0:  # auto: the layout's
+            budget = self.layout.micro_batch_columns
         if budget == 0:
             return rl.grad_accum
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]

@@ -1,8 +1,8 @@
 """XLA-compiled generation: KV-cache prefill + ``while_loop`` decode, traced knobs, schedules.
 
-``from jaxgrpo.sampling import generate`` is the entry point; ``loop`` holds the model-free
-core (tested with a fake model), ``select`` the token choice, ``schedules`` the temperature
-schedules the trainer feeds.
+``from jaxgrpo.sampling import generate`` is the entry point and ``SamplerSettings`` its
+settings, passed whole; ``loop`` holds the model-free core (tested with a fake model),
+``select`` the token choice, ``schedules`` the temperature schedules the trainer feeds.
 """
 
 from jaxgrpo.sampling.generate import (
@@ -24,11 +24,13 @@ from jaxgrpo.sampling.schedules import (
     temperatures,
 )
 from jaxgrpo.sampling.select import select_tokens, truncate
+from jaxgrpo.sampling.settings import SamplerSettings
 
 __all__ = [
     "Knobs",
     "LoopConfig",
     "SampleOutput",
+    "SamplerSettings",
     "SamplingState",
     "StopReason",
     "compiled_programs",

@@ -11,6 +11,7 @@ pytree; the ``graphdef`` is closed over (never passed as data) and the jitted pa
 nothing, whatever the temperature, top-p or min-p.
 """
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 
@@ -25,6 +26,7 @@ from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.core.sharding import shard_act
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
 from jaxgrpo.sampling.loop import ROW_FIELDS, Knobs, LoopConfig, SamplingState, decode, prefill
+from jaxgrpo.sampling.settings import SamplerSettings
 
 
 @flax.struct.dataclass
@@ -270,62 +272,53 @@ def _devices_of(x) -> int | None:
     return count if count > 1 else None
 
 
+def _loop_config(settings: SamplerSettings, n: int, devices: int | None) -> LoopConfig:
+    """The static part of ``settings`` for ``n`` rows split over ``devices``, the defaults of
+    ``compact_rows`` and ``cache_sizes`` resolved."""
+    s, t = settings, int(settings.max_new_tokens)
+    compact_rows = s.compact_rows
+    if compact_rows is None:
+        can_stop_early = bool(s.eos_ids) or bool(s.repetition_ngram) or s.max_lengths is not None
+        compact_rows = auto_compact_rows(n, can_stop_early, devices, t)
+    return LoopConfig(
+        max_new_tokens=t,
+        num_samples=int(s.num_samples),
+        eos_ids=tuple(int(e) for e in s.eos_ids),
+        top_k=int(s.top_k),
+        repetition_ngram=int(s.repetition_ngram),
+        compact_rows=_compact_levels(compact_rows),
+        cache_sizes=auto_cache_sizes(t) if s.cache_sizes is None else tuple(s.cache_sizes),
+    )
+
+
 def sampler_programs(
-    graphdef: nnx.GraphDef,
-    model_cfg,
-    prompt_ids: Array,
-    *,
-    max_new_tokens: int,
-    temperature=1.0,
-    top_p=1.0,
-    top_k: int = 0,
-    min_p=0.0,
-    eos_ids: Sequence[int] = (),
-    num_samples: int = 1,
-    max_lengths=None,
-    repetition_ngram: int = 0,
-    repetition_count: int = 4,
-    pad_id: int = 0,
-    cache_dtype: str | None = None,
-    compact_rows: int | Sequence[int] | None = None,
-    cache_sizes: Sequence[int] | None = None,
+    graphdef: nnx.GraphDef, model_cfg, prompt_ids: Array, settings: SamplerSettings
 ) -> tuple[Callable, Callable, Knobs]:
     """The jitted ``(prefill, decode)`` of a ``generate_from_state`` call, and its knobs.
 
     ``generate_from_state`` runs them; ``jaxgrpo.planning.compile`` lowers them with abstract inputs
-    (``prompt_ids`` may be a sharded ``jax.ShapeDtypeStruct``). Arguments are ``generate``'s.
+    (``prompt_ids`` may be a sharded ``jax.ShapeDtypeStruct``). Arguments are
+    ``generate_from_state``'s.
     """
-    n = prompt_ids.shape[0] * int(num_samples)
-    if compact_rows is None:
-        can_stop_early = bool(eos_ids) or bool(repetition_ngram) or max_lengths is not None
-        compact_rows = auto_compact_rows(
-            n, can_stop_early, _devices_of(prompt_ids), int(max_new_tokens)
-        )
-    cfg = LoopConfig(
-        max_new_tokens=int(max_new_tokens),
-        num_samples=int(num_samples),
-        eos_ids=tuple(int(e) for e in eos_ids),
-        top_k=int(top_k),
-        repetition_ngram=int(repetition_ngram),
-        compact_rows=_compact_levels(compact_rows),
-        cache_sizes=auto_cache_sizes(max_new_tokens) if cache_sizes is None else tuple(cache_sizes),
-    )
-    cache_dtype = cache_dtype or getattr(model_cfg, "dtype", "float32")
+    n = prompt_ids.shape[0] * int(settings.num_samples)
+    cfg = _loop_config(settings, n, _devices_of(prompt_ids))
+    cache_dtype = settings.cache_dtype or getattr(model_cfg, "dtype", "float32")
     key = (graphdef, model_cfg, cfg, cache_dtype)
     _cached_keys.add(key)
     prefill_jit, decode_jit = programs(*key)
+    max_lengths = settings.max_lengths
     if max_lengths is not None and jnp.ndim(max_lengths) == 1 and cfg.num_samples > 1:
         if jnp.shape(max_lengths)[0] != n:
             max_lengths = jnp.repeat(jnp.asarray(max_lengths), cfg.num_samples)
     knobs = make_knobs(
         n,
         cfg.max_new_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        min_p=min_p,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        min_p=settings.min_p,
         max_lengths=max_lengths,
-        repetition_count=repetition_count,
-        pad_id=pad_id,
+        repetition_count=settings.repetition_count,
+        pad_id=settings.pad_id,
     )
     return prefill_jit, decode_jit, knobs
 
@@ -336,16 +329,16 @@ def generate_from_state(
     model_cfg,
     prompt_ids: Array,
     prompt_mask: Array,
+    settings: SamplerSettings,
     *,
     rng: Array,
-    **kwargs,
 ) -> SampleOutput:
     """``generate`` for a split model: ``nnx.merge(graphdef, *states)`` is the model.
 
     The trainer calls this with ``states = (base, lora)`` so nothing is re-split per step.
-    Arguments are those of ``generate`` (``sampler_programs`` lists the keyword ones).
+    Arguments are those of ``generate``, ``settings`` whole.
     """
-    prefill_jit, decode_jit, knobs = sampler_programs(graphdef, model_cfg, prompt_ids, **kwargs)
+    prefill_jit, decode_jit, knobs = sampler_programs(graphdef, model_cfg, prompt_ids, settings)
     ids = jnp.asarray(prompt_ids, jnp.int32)
     mask = jnp.asarray(prompt_mask, jnp.int32)
     state = prefill_jit(tuple(states), ids, mask, knobs, rng)
@@ -361,7 +354,15 @@ def generate_from_state(
     )
 
 
-def generate(model: nnx.Module, prompt_ids: Array, prompt_mask: Array, **kwargs) -> SampleOutput:
+def generate(
+    model: nnx.Module,
+    prompt_ids: Array,
+    prompt_mask: Array,
+    settings: SamplerSettings | None = None,
+    *,
+    rng: Array,
+    **fields,
+) -> SampleOutput:
     """Samples ``num_samples`` completions per prompt with a KV cache.
 
     Args:
@@ -369,20 +370,19 @@ def generate(model: nnx.Module, prompt_ids: Array, prompt_mask: Array, **kwargs)
         ``decode_step``, ``decode_layers`` and ``logits`` and a ``cfg`` accepted by ``init_cache``).
       prompt_ids: int32 [B, P] left-padded prompts (P is the bucket length).
       prompt_mask: int32 [B, P], 1 on prompt tokens.
-      **kwargs: ``rng`` (PRNG key), ``max_new_tokens`` (T, static), ``temperature`` (scalar,
-        [T] or [R, T]; <= 0 is greedy; traced), ``top_p`` (traced, 1 = off), ``top_k`` (static,
-        0 = off), ``min_p`` (traced, 0 = off), ``eos_ids`` (static stop tokens),
-        ``num_samples`` (G, static), ``max_lengths`` (per-row cap, [B] or [R], traced),
-        ``repetition_ngram`` (static n, 0 = off) and ``repetition_count`` (traced k): stop a row
-        whose tail is one block of <= n tokens repeated k times; ``pad_id``; ``cache_dtype``;
-        ``compact_rows`` (static M, or decreasing (M1, M2, ...): once at most M rows are
-        running, decode only those; None = ``auto_compact_rows``, 0 or () = off) and
-        ``cache_sizes`` (static increasing completion-cache sizes ending at T, grown through
-        as tokens are written; None = ``auto_cache_sizes``, () = T slots from the start); the
-        completions are the same whatever the two.
+      settings: how to sample (``SamplerSettings``); None = its defaults.
+      rng: PRNG key.
+      **fields: ``SamplerSettings`` fields replacing those of ``settings``
+        (``max_new_tokens=32, num_samples=8``...).
 
     Returns:
       ``SampleOutput`` with R = B * G rows.
     """
+    if settings is None:
+        settings = SamplerSettings(**fields)
+    elif fields:
+        settings = dataclasses.replace(settings, **fields)
     graphdef, state = nnx.split(model)
-    return generate_from_state(graphdef, (state,), model.cfg, prompt_ids, prompt_mask, **kwargs)
+    return generate_from_state(
+        graphdef, (state,), model.cfg, prompt_ids, prompt_mask, settings, rng=rng
+    )

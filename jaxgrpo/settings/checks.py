@@ -25,7 +25,7 @@ from jaxgrpo.rewards import REWARDS, Curriculum
 from jaxgrpo.rl.advantages import BASELINES, SCALES
 from jaxgrpo.rl.batch_layout import check_batch_layout
 from jaxgrpo.rl.kl import KL_ESTIMATORS
-from jaxgrpo.rl.losses import LOSS_PRESETS
+from jaxgrpo.rl.loss_spec import LOSS_PRESETS
 from jaxgrpo.sampling.schedules import SCHEDULES
 
 

@@ -21,7 +21,7 @@ from etils import epath
 from ml_collections import ConfigDict
 
 from jaxgrpo.configs import base
-from jaxgrpo.rl.losses import LOSS_PRESETS
+from jaxgrpo.rl.loss_spec import LOSS_PRESETS
 from jaxgrpo.settings.checks import ConfigError, check_mesh, unknown_key_error, validate
 
 SHIPPED_DIR = os.path.dirname(os.path.abspath(base.__file__))  # jaxgrpo/configs

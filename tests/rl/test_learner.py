@@ -17,6 +17,7 @@ from learner_helpers import count_compiles, host_params, make_learner, run_steps
 from jaxgrpo.core import sharding
 from jaxgrpo.core.sharding import to_host
 from jaxgrpo.data import get_task
+from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.lora import zero_lora
 from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl import step_metrics
@@ -438,7 +439,7 @@ def test_micro_batches_keep_rows_split_over_the_devices(overrides, width, want):
     base = {"run_dir": "/tmp/unused", "rl.prompts_per_step": 16, "rl.group_size": 8}
     cfg = load_config("tiny.py", {**base, "mesh.data": 2, "mesh.fsdp": 2, **overrides})
     mesh = sharding.make_mesh({"data": 2, "fsdp": 2}, devices=jax.devices()[:4])
-    programs = types.SimpleNamespace(rl=cfg.rl, mesh=mesh)
+    programs = types.SimpleNamespace(rl=cfg.rl, mesh=mesh, layout=Layout.for_platform("cpu"))
     packed = cfg.rl.pack_completions
     batch = types.SimpleNamespace(
         prompt_ids=jax.ShapeDtypeStruct((16, 100), jnp.int32),

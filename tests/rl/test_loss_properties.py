@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from jaxgrpo.rl.kl import kl_estimate
-from jaxgrpo.rl.losses import LOSS_PRESETS, policy_loss
+from jaxgrpo.rl.loss_spec import LOSS_PRESETS, Objective
+from jaxgrpo.rl.losses import policy_loss
 
 N, T = 8, 9
 SETTINGS = settings(max_examples=8, deadline=None, derandomize=True)
@@ -26,7 +27,9 @@ def _mask(lengths_R):
 
 
 def _grad(logp, old_logp, advantages, mask, **kw):
-    fn = lambda lp: policy_loss(lp, old_logp, None, advantages, mask, **kw)[0]
+    """d loss / d logp of the ``Objective.preset(**kw)`` loss."""
+    objective = Objective.preset(**kw)
+    fn = lambda lp: policy_loss(lp, old_logp, None, advantages, mask, objective)[0]
     return np.asarray(jax.grad(fn)(jnp.asarray(logp)))
 
 

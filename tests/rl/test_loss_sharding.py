@@ -15,6 +15,7 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxgrpo.rl.loss_spec import Objective
 from jaxgrpo.rl.losses import (
     loss_normalizers,
     policy_loss,
@@ -25,7 +26,8 @@ from jaxgrpo.rl.losses import (
 # The four aggregation presets (gspo shares grpo's aggregation; its sequence ratio is local).
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gr_reinforce")
 R, T, F, V = 16, 9, 4, 7
-OPTIONS = dict(beta=0.04, dual_clip=3.0, entropy_coef=0.01, temperature=0.9)
+OPTIONS = dict(beta=0.04, dual_clip=3.0, entropy_coef=0.01)
+TEMPERATURE = 0.9
 TOP_FRAC = 0.5
 
 
@@ -56,25 +58,26 @@ def _logp_logits(w_FV, batch):
 
 
 def _loss(w_FV, batch, norm, loss_type):
-    """Loss of (a slice of) the batch; ``norm=None`` uses this batch's own normalisers."""
+    """Loss of (a slice of) the batch; ``norm=None`` uses this batch's own normalisers (and
+    its own entropy threshold, from ``top_entropy_frac``)."""
     logp_RT, logits_RTV = _logp_logits(w_FV, batch)
-    norm = norm or {"top_entropy_frac": TOP_FRAC}
+    objective = Objective.preset(loss_type, top_entropy_frac=TOP_FRAC, **OPTIONS)
     return policy_loss(
         logp_RT,
         batch["old_logp"],
         batch["ref_logp"],
         batch["adv"],
         batch["mask"],
-        loss_type=loss_type,
+        objective,
         logits=logits_RTV,
-        **OPTIONS,
-        **norm,
+        temperature=TEMPERATURE,
+        **(norm or {}),
     )[0]
 
 
 def _global_norm(w_FV, batch):
     """Whole-step normalisers and entropy threshold, as a trainer computes them once per step."""
-    entropy_RT = token_entropy(_logp_logits(w_FV, batch)[1], OPTIONS["temperature"])
+    entropy_RT = token_entropy(_logp_logits(w_FV, batch)[1], TEMPERATURE)
     return {
         **loss_normalizers(batch["mask"]),
         "entropy_threshold": top_entropy_threshold(entropy_RT, batch["mask"], TOP_FRAC),

@@ -5,6 +5,7 @@ magnitude of the compared quantity (``atol = rtol * max|reference|``), so values
 judged on the scale of the array they belong to.
 """
 
+import dataclasses
 import itertools
 import warnings
 
@@ -14,7 +15,8 @@ import numpy as np
 import pytest
 
 from jaxgrpo.rl import kl as kl_mod
-from jaxgrpo.rl.losses import LOSS_PRESETS, policy_loss, top_entropy_threshold
+from jaxgrpo.rl.loss_spec import LOSS_PRESETS, Objective
+from jaxgrpo.rl.losses import policy_loss, top_entropy_threshold
 from tests.torch_ref.batches import random_batch
 
 torch = pytest.importorskip("torch")
@@ -30,6 +32,16 @@ CLIPS = {
     "ratio_cap": dict(eps_low=0.2, eps_high=0.2, ratio_cap=1.5),
 }
 TORCH_DTYPE = {"float64": torch.float64, "float32": torch.float32}
+# The keyword arguments of the torch reference that `policy_loss` takes per call; the others
+# are the `Objective`'s.
+PER_CALL = ("logits", "temperature", "entropy", "is_weights", "num_tokens", "num_sequences")
+
+
+def _policy_loss(logp, old_logp, ref_logp, advantages, mask, **kw):
+    """`policy_loss` given the torch reference's flat keyword arguments."""
+    per_call = {k: kw.pop(k) for k in PER_CALL if k in kw}
+    objective = Objective.preset(**kw)
+    return policy_loss(logp, old_logp, ref_logp, advantages, mask, objective, **per_call)
 
 
 def _close(actual, desired, rtol, what):
@@ -52,7 +64,7 @@ def _compare(batch, dtype, what, with_logits=False, **kw):
 
     def jax_loss(logp, logits):
         extra = {"logits": logits} if with_logits else {}
-        return policy_loss(logp, mask=jnp.asarray(batch.mask), **jx, **extra, **kw)
+        return _policy_loss(logp, mask=jnp.asarray(batch.mask), **jx, **extra, **kw)
 
     grad_fn = jax.value_and_grad(jax_loss, argnums=(0, 1), has_aux=True)
     (loss, metrics), (g_logp, g_logits) = grad_fn(
@@ -133,7 +145,7 @@ def _compare_none(batch, dtype, what, **kw):
         for k in ("old_logp", "ref_logp", "advantages")
     }
     tt = {k: v if v is None else v.to(TORCH_DTYPE[dtype]) for k, v in tt.items()}
-    fn = lambda lp: policy_loss(lp, mask=jnp.asarray(batch.mask), **jx, **kw)
+    fn = lambda lp: _policy_loss(lp, mask=jnp.asarray(batch.mask), **jx, **kw)
     (loss, _), g = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(batch.logp, dtype))
     logp_t = torch.tensor(batch.logp, dtype=TORCH_DTYPE[dtype], requires_grad=True)
     loss_t, _ = ref.policy_loss(logp_t, mask=torch.tensor(batch.mask), **tt, **kw)
@@ -165,7 +177,8 @@ def test_negative_advantage_clip_bounds_ratio_from_below():
     for loss_type in ("dapo", "grpo"):
 
         def per_row(lp, loss_type=loss_type):
-            return policy_loss(lp, old_logp, None, -jnp.ones(2), mask, loss_type=loss_type)
+            objective = Objective.preset(loss_type)
+            return policy_loss(lp, old_logp, None, -jnp.ones(2), mask, objective)
 
         (loss, metrics), grad = jax.jit(jax.value_and_grad(per_row, has_aux=True))(logp)
         # Both aggregations average the two single-token rows: (0.8 + 1.5) / 2.
@@ -177,7 +190,7 @@ def test_negative_advantage_clip_bounds_ratio_from_below():
 def test_dual_clip_caps_negative_advantage_loss():
     """Dual clip c = 3, A = -1, r = 5: loss = min(max(5, 1.2), 3) = 3, with zero gradient."""
     fn = lambda lp: policy_loss(
-        lp, jnp.zeros((1, 1)), None, -jnp.ones(1), jnp.ones((1, 1)), dual_clip=3.0
+        lp, jnp.zeros((1, 1)), None, -jnp.ones(1), jnp.ones((1, 1)), Objective(dual_clip=3.0)
     )
     (loss, _), grad = jax.jit(jax.value_and_grad(fn, has_aux=True))(jnp.log(jnp.full((1, 1), 5.0)))
     np.testing.assert_allclose(loss, 3.0, rtol=1e-6)
@@ -194,7 +207,7 @@ def test_padding_garbage_nan_inf_is_ignored():
     for arrays in (clean, dirty):
         a = {k: jnp.asarray(v, jnp.float32) for k, v in arrays.items()}
         fn = lambda lp, a=a: policy_loss(
-            lp, a["old_logp"], a["ref_logp"], batch.advantages, batch.mask, beta=0.1
+            lp, a["old_logp"], a["ref_logp"], batch.advantages, batch.mask, Objective(beta=0.1)
         )
         out.append(jax.value_and_grad(fn, has_aux=True)(a["logp"]))
     (loss_c, m_c), g_c = out[0]
@@ -210,10 +223,13 @@ def test_coefficients_are_traced_and_never_recompile():
     batch = random_batch(seed=4)
     args = [jnp.asarray(getattr(batch, k), jnp.float32) for k in ("logp", "old_logp", "ref_logp")]
 
+    dapo = Objective.preset("dapo")
+
     @jax.jit
-    def step(logp, old, refl, coeffs):
+    def step(logp, old, refl, coeffs, entropy):
+        objective = dataclasses.replace(dapo, **coeffs)
         fn = lambda lp: policy_loss(
-            lp, old, refl, batch.advantages, batch.mask, loss_type="dapo", **coeffs
+            lp, old, refl, batch.advantages, batch.mask, objective, entropy=entropy
         )[0]
         return jax.grad(fn)(logp)
 
@@ -229,16 +245,15 @@ def test_coefficients_are_traced_and_never_recompile():
             top_entropy_frac=0.5 / scale,
         )
         coeffs = {k: jnp.float32(v) for k, v in coeffs.items()}
-        grads.append(step(*args, {**coeffs, "entropy": batch.entropy.astype(np.float32)}))
+        grads.append(step(*args, coeffs, batch.entropy.astype(np.float32)))
         assert step._cache_size() == 1, f"call {i} recompiled"
     assert not np.allclose(grads[0], grads[2]), "coefficients had no effect"
 
 
 def test_metrics_ignore_padding():
     batch = random_batch(seed=6)
-    loss, m = policy_loss(
-        batch.logp, batch.old_logp, batch.ref_logp, batch.advantages, batch.mask, beta=0.1
-    )
+    args = (batch.logp, batch.old_logp, batch.ref_logp, batch.advantages, batch.mask)
+    loss, m = policy_loss(*args, Objective(beta=0.1))
     r = np.exp(batch.logp - batch.old_logp)[batch.mask]
     np.testing.assert_allclose(
         [m["ratio_min"], m["ratio_max"], m["ratio_mean"], m["num_tokens"]],
@@ -252,10 +267,8 @@ def test_metrics_ignore_padding():
 def test_k1_in_loss_warns_exactly_once(monkeypatch):
     monkeypatch.setattr(kl_mod, "_warned_k1", False)
     batch = random_batch(seed=7)
-    call = lambda est, beta: policy_loss(
-        batch.logp, batch.old_logp, batch.ref_logp, batch.advantages, batch.mask,
-        kl_estimator=est, beta=beta,
-    )  # fmt: skip
+    args = (batch.logp, batch.old_logp, batch.ref_logp, batch.advantages, batch.mask)
+    call = lambda est, beta: policy_loss(*args, Objective(kl_estimator=est, beta=beta))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         call("k3", 0.1)
@@ -304,7 +317,7 @@ def test_unknown_names_raise_with_the_name():
         (dict(entropy_coef=0.1), "entropy_coef"),
     ):
         with pytest.raises(ValueError, match=name):
-            policy_loss(*args, **kw)
+            policy_loss(*args, Objective.preset(**kw))
     assert set(LOSS_PRESETS) >= {"grpo", "dapo", "dr_grpo", "gr_reinforce"}
 
 
@@ -327,10 +340,11 @@ def test_kl_bias_correction_gradient_equals_the_hand_derived_one(ratio_level):
     beta, n = 0.1, mask.sum()
 
     def loss(lp, correct):
-        return policy_loss(
-            lp, None, ref, jnp.zeros(3), mask, loss_type="dapo", beta=beta, kl_estimator="k3",
-            kl_bias_correction=correct, ratio_level=ratio_level,
-        )[0]  # fmt: skip
+        objective = Objective.preset(
+            "dapo", beta=beta, kl_estimator="k3", kl_bias_correction=correct,
+            ratio_level=ratio_level,
+        )  # fmt: skip
+        return policy_loss(lp, None, ref, jnp.zeros(3), mask, objective)[0]
 
     d = ref - logp
     k3 = np.exp(d) - d - 1

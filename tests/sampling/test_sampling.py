@@ -374,8 +374,10 @@ def test_the_completion_cache_is_made_and_dropped_inside_decode(tiny, cache_size
 
     model, ids, mask = tiny
     graphdef, state = nnx.split(model)
-    kw = dict(max_new_tokens=6, num_samples=2, temperature=1.0, cache_sizes=cache_sizes)
-    prefill, decode, knobs = sampler_programs(graphdef, model.cfg, ids, **kw)
+    settings = sampling.SamplerSettings(
+        max_new_tokens=6, num_samples=2, temperature=1.0, cache_sizes=cache_sizes
+    )
+    prefill, decode, knobs = sampler_programs(graphdef, model.cfg, ids, settings)
     ids, mask = jnp.asarray(ids, jnp.int32), jnp.asarray(mask, jnp.int32)
     prompted = prefill((state,), ids, mask, knobs, jax.random.key(0))
     assert {x.shape[-1] for x in jax.tree.leaves(prompted.cache.k)} == {0}
@@ -553,12 +555,19 @@ def test_scanned_decode_equals_unrolled(tiny):
     and a growing cache, on one device and on a 2x2x2 mesh under the sampling rules."""
     from flax import nnx
 
+    from jaxgrpo.models.layout import Layout
     from jaxgrpo.models.transformer import Transformer
 
-    model, ids, mask = tiny
+    tiny_model, ids, mask = tiny
     ids, mask = np.concatenate([ids, ids[:1]]), np.concatenate([mask, mask[:1]])  # B = 4
-    scanned = Transformer(model.cfg.replace(scan_decode=True), rngs=nnx.Rngs(1))
-    nnx.update(scanned, nnx.state(model))
+
+    def with_decode_loop(loop):
+        cfg = tiny_model.cfg.replace(layout=Layout(decode_loop=loop))
+        model = Transformer(cfg, rngs=nnx.Rngs(1))
+        nnx.update(model, nnx.state(tiny_model))
+        return model
+
+    model, scanned = with_decode_loop("unroll"), with_decode_loop("scan")
     assert scanned.scans_decode and not model.scans_decode
     max_len = np.full(16, 3)
     max_len[[1, 6, 11, 12]] = [10, 5, 5, 8]
