@@ -22,7 +22,8 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # The quick tier (`pytest -m quick`, a few minutes on 2 cores) for local work: the modules that
 # check host code, configs and the numerics of single functions against their references, and
-# build no learner, run no CLI and compile no sampler. Every test still runs in the full suite.
+# build no learner and run no CLI (one tiny-model sampler at most). Every test still runs in the
+# full suite.
 QUICK_MODULES = (
     "agents/",
     "data/test_arithmetic.py",

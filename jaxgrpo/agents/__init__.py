@@ -21,10 +21,12 @@ is the part of that feature that is plain Python, with no JAX and no tokenizer:
   functions) and the step's ``agent/...`` metrics.
 - ``calculator``: ``calc``, the arithmetic tool of the tool-use study.
 
-The rollout that drives it (sampling a turn, parsing it, calling, tokenizing the rendered result
-with loss mask 0, truncating it to ``max_tool_tokens``, stopping after
-``max_tool_calling_iterations``) belongs to the sampler; the sampled ids are trained on as
-sampled, never re-tokenized from this package's text.
+- ``rollout``: ``run_episodes``, the host loop over a sampler: a turn for every row, its calls
+  run, the results' ids appended with model mask 0 (cut to ``max_tool_tokens``), the rows that
+  called sampled again from their whole context, until a turn without a call, ``max_turns`` or
+  the episode's token budget. The sampled ids are kept as drawn, never re-tokenized from text.
+
+Training does not run episodes yet: the learner's rollouts are single turns.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from jaxgrpo.agents.formats import (
     detect_format,
     get_format,
 )
+from jaxgrpo.agents.rollout import AgentLimits, EpisodeBatch, model_sampler, run_episodes
 from jaxgrpo.agents.schema import ToolError, tool_schema
 from jaxgrpo.agents.tools import (
     ERROR_KINDS,
@@ -53,7 +56,9 @@ from jaxgrpo.agents.tools import (
 )
 
 __all__ = [
+    "AgentLimits",
     "ERROR_KINDS",
+    "EpisodeBatch",
     "FORMATS",
     "Episode",
     "JsonFormat",
@@ -72,7 +77,9 @@ __all__ = [
     "environment_tools",
     "get_format",
     "metrics",
+    "model_sampler",
     "reset_environment",
+    "run_episodes",
     "tool_schema",
     "with_observation",
 ]

@@ -1,0 +1,231 @@
+"""Episodes of several turns: sample a turn for every row, run the calls it makes, append the
+results' tokens, and sample again only the rows that called a tool, until a turn without a
+call, ``AgentLimits.max_turns`` or the token budget.
+
+Token ids in, token ids out: a turn's ids are the ids the sampler drew, cut after its last call
+where the format stops there (``stop_strings``: the tag format's closing tags; what was sampled
+after is dropped, never trained on), and the model's text is decoded only to parse its calls,
+never tokenized again. A result's text is tokenized once, as the format renders it, and its ids
+carry model mask 0: the loss must not train on them.
+
+The budget is TRL's: ``max_new_tokens`` counts the whole episode after the prompt, results
+included. A later turn is sampled from the row's whole context (prompt, then the episode so
+far) as a new prompt of its own: one prefill of that context per turn, then decoding as usual.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxgrpo.agents.episode import Episode
+from jaxgrpo.agents.formats import ToolFormat
+from jaxgrpo.agents.tools import Toolbox
+from jaxgrpo.models.tokenizer import bucket_length
+
+# sample(ids [N, P], mask [N, P], num_samples, max_lengths [N * num_samples] or None, turn) ->
+# an object with tokens, logprobs, temperatures [N * num_samples, T] and lengths [N * num_samples]
+# (a `jaxgrpo.sampling.SampleOutput`).
+Sampler = Callable[[np.ndarray, np.ndarray, int, np.ndarray | None, int], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentLimits:
+    """Limits of one episode.
+
+    Attributes:
+      max_turns: model turns at most (TRL's ``max_tool_calling_iterations`` + 1).
+      max_tool_tokens: tokens of one result at most; a longer result is cut and counted.
+      tool_timeout_s: wall time of one call at most.
+    """
+
+    max_turns: int = 4
+    max_tool_tokens: int = 256
+    tool_timeout_s: float = 10.0
+
+
+@dataclasses.dataclass
+class EpisodeBatch:
+    """R episodes as arrays [R, T] (T = the token budget), left-aligned after each prompt.
+
+    Attributes:
+      tokens: every id of the episode (``pad_id`` after it).
+      mask: 1 on the episode's ids, model and tool alike (what later tokens attend).
+      model_mask: 1 on the ids the model drew (what the loss trains), 0 on results and padding.
+      logprobs / temperatures: the sampler's, on model ids; 0 and 1 elsewhere.
+      lengths: ids per episode.
+      episodes: the turns, calls and results of each row (`Episode`).
+    """
+
+    tokens: np.ndarray
+    mask: np.ndarray
+    model_mask: np.ndarray
+    logprobs: np.ndarray
+    temperatures: np.ndarray
+    lengths: np.ndarray
+    episodes: list[Episode]
+
+
+@dataclasses.dataclass
+class _Row:
+    prompt: list[int]
+    ids: list[int] = dataclasses.field(default_factory=list)
+    model: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    temperatures: list[float] = dataclasses.field(default_factory=list)
+    episode: Episode = dataclasses.field(default_factory=Episode)
+
+    def extend(self, ids, model: int, logprobs=None, temperatures=None) -> None:
+        self.ids += [int(i) for i in ids]
+        self.model += [model] * len(ids)
+        self.logprobs += [0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs]
+        self.temperatures += (
+            [1.0] * len(ids) if temperatures is None else [float(x) for x in temperatures]
+        )
+
+
+def turn_end(tokenizer: Any, ids: Sequence[int], stop_strings: Sequence[str]) -> int:
+    """How many of a turn's ``ids`` to keep: up to the first id whose text completes one of
+    ``stop_strings`` (the fewest ids whose decoded text contains it), else all of them."""
+    if not stop_strings:
+        return len(ids)
+
+    def stops(k: int) -> bool:
+        text = tokenizer.hf.decode(list(ids[:k]))
+        return any(s in text for s in stop_strings)
+
+    if not stops(len(ids)):
+        return len(ids)
+    lo, hi = 0, len(ids)  # stops(hi), not stops(lo)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if stops(mid) else (mid, hi)
+    return hi
+
+
+def _result_ids(tokenizer: Any, fmt: ToolFormat, calls, results, limit: int) -> tuple[list, int]:
+    """The ids of a turn's rendered results, each result's text first cut to ``limit`` tokens;
+    and how many were cut."""
+    texts, cut = [], 0
+    for call, result in zip(calls, results, strict=True):
+        ids = tokenizer.hf.encode(result.text, add_special_tokens=False)
+        text = result.text
+        if len(ids) > limit:
+            text, cut = tokenizer.hf.decode(ids[:limit]), cut + 1
+        texts.append((call.name or "", text))
+    return tokenizer.hf.encode(fmt.render_results(texts), add_special_tokens=False), cut
+
+
+def _left_padded(rows: Sequence[list[int]], pad_id: int, min_bucket: int) -> tuple:
+    width = bucket_length(max(len(r) for r in rows), min_bucket)
+    ids = np.full((len(rows), width), pad_id, np.int32)
+    mask = np.zeros((len(rows), width), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
+    return ids, mask
+
+
+def _padded_rows(n: int) -> int:
+    """Rows a continuation samples for ``n`` live rows: the next power of two, so the sampler
+    compiles one program per size, not one per count."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def run_episodes(
+    sample: Sampler,
+    tokenizer: Any,
+    fmt: ToolFormat,
+    toolboxes: Sequence[Toolbox],
+    prompt_ids: np.ndarray,
+    prompt_mask: np.ndarray,
+    *,
+    group: int,
+    max_new_tokens: int,
+    limits: AgentLimits = AgentLimits(),
+) -> EpisodeBatch:
+    """R = B * G episodes from B left-padded prompts, one toolbox per row (an environment's
+    state is the row's own).
+
+    Returns:
+      The ``EpisodeBatch``; every call's failure is in its episode's results, none raised.
+    """
+    prompt_ids, prompt_mask = np.asarray(prompt_ids), np.asarray(prompt_mask)
+    n_rows = prompt_ids.shape[0] * group
+    if len(toolboxes) != n_rows:
+        raise ValueError(f"{len(toolboxes)} toolboxes for {n_rows} rows (one per row)")
+    prompts = [ids[mask != 0].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
+    rows = [_Row(prompts[r // group]) for r in range(n_rows)]
+    eos, stop_strings = set(tokenizer.eos_ids), fmt.stop_strings()
+    out = sample(prompt_ids, prompt_mask, group, None, 0)
+    live = list(range(n_rows))
+    for turn in range(limits.max_turns):
+        tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        logprobs, temps = np.asarray(out.logprobs), np.asarray(out.temperatures)
+        going = []
+        for i, r in enumerate(live):
+            row, ids = rows[r], tokens[i, : int(lengths[i])].tolist()
+            ended = bool(ids) and ids[-1] in eos
+            keep = turn_end(tokenizer, ids, stop_strings)
+            if keep < len(ids):
+                ended = False  # cut at a call: the turn goes on after its result
+            row.extend(ids[:keep], 1, logprobs[i, :keep], temps[i, :keep])
+            text_ids = ids[: keep - 1] if ended and keep == len(ids) else ids[:keep]
+            text = tokenizer.hf.decode(text_ids, skip_special_tokens=False)
+            calls = fmt.parse(text)
+            room = max_new_tokens - len(row.ids)
+            if not calls or turn == limits.max_turns - 1 or room <= 1:
+                row.episode.add_turn(text)
+                continue
+            results = [toolboxes[r].run(call, limits.tool_timeout_s) for call in calls]
+            result_ids, cut = _result_ids(tokenizer, fmt, calls, results, limits.max_tool_tokens)
+            row.episode.add_turn(text, calls, results, cut)
+            row.extend(result_ids[: room - 1], 0)
+            if len(row.ids) < max_new_tokens:
+                going.append(r)
+        if not going:
+            break
+        live = going
+        contexts = [rows[r].prompt + rows[r].ids for r in live]
+        budget = [max_new_tokens - len(rows[r].ids) for r in live]
+        extra = _padded_rows(len(live)) - len(live)
+        ids, mask = _left_padded(contexts + contexts[:1] * extra, tokenizer.pad_id, 16)
+        out = sample(ids, mask, 1, np.asarray(budget + [1] * extra, np.int32), turn + 1)
+    return _as_batch(rows, max_new_tokens, tokenizer.pad_id)
+
+
+def _as_batch(rows: Sequence[_Row], t: int, pad_id: int) -> EpisodeBatch:
+    r = len(rows)
+    batch = EpisodeBatch(
+        tokens=np.full((r, t), pad_id, np.int32),
+        mask=np.zeros((r, t), np.int32),
+        model_mask=np.zeros((r, t), np.int32),
+        logprobs=np.zeros((r, t), np.float32),
+        temperatures=np.ones((r, t), np.float32),
+        lengths=np.zeros((r,), np.int32),
+        episodes=[row.episode for row in rows],
+    )
+    for i, row in enumerate(rows):
+        n = min(len(row.ids), t)
+        batch.tokens[i, :n] = row.ids[:n]
+        batch.mask[i, :n] = 1
+        batch.model_mask[i, :n] = row.model[:n]
+        batch.logprobs[i, :n] = row.logprobs[:n]
+        batch.temperatures[i, :n] = row.temperatures[:n]
+        batch.lengths[i] = n
+    return batch
+
+
+def model_sampler(generate_fn: Callable, settings: Any, rng: Any) -> Sampler:
+    """A ``Sampler`` over ``generate_fn(ids, mask, settings, rng=...)`` (e.g.
+    ``functools.partial(jaxgrpo.sampling.generate, model)``): each turn draws with its own key
+    (``fold_in(rng, turn)``), the turn's samples per prompt and per-row budgets."""
+    import jax
+
+    def sample(ids, mask, num_samples, max_lengths, turn):
+        s = dataclasses.replace(settings, num_samples=num_samples, max_lengths=max_lengths)
+        return generate_fn(ids, mask, s, rng=jax.random.fold_in(rng, turn))
+
+    return sample

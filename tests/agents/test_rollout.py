@@ -1,0 +1,193 @@
+"""Episodes of several turns with a scripted policy (a stand-in for the model that writes a
+fixed calculator call, then an answer): the episode's ids are the drawn ids cut after the call,
+then the result's ids, then the next turn's; results carry model mask 0, no log-prob and no
+temperature; the continuation is sampled from prompt + episode so far within the budget."""
+
+import types
+
+import numpy as np
+import pytest
+
+from jaxgrpo.agents import Toolbox, calc, get_format
+from jaxgrpo.agents.rollout import AgentLimits, run_episodes, turn_end
+from jaxgrpo.models.tiny import tiny_tokenizer
+
+T = 64
+LOGP = -0.5
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+def _encode(tok, text):
+    return tok.hf.encode(text, add_special_tokens=False)
+
+
+class Scripted:
+    """Turn 0 of row 0 calls the calculator and runs on past the call (ids the rollout must
+    drop); every later turn, and row 1's first, answers and stops. Records each call."""
+
+    def __init__(self, tok):
+        self.tok, self.calls = tok, []
+        eos = tok.eos_ids[0]
+        self.call_turn = _encode(tok, "Let me compute <calc>3*4+5</calc> then I go on rambling")
+        self.answer = [*_encode(tok, "<answer>17</answer>"), eos]
+
+    def __call__(self, ids, mask, num_samples, max_lengths, turn):
+        self.calls.append((np.asarray(ids), np.asarray(mask), num_samples, max_lengths, turn))
+        n = ids.shape[0] * num_samples
+        turns = [self.call_turn if (turn == 0 and r == 0) else self.answer for r in range(n)]
+        tokens = np.zeros((n, T), np.int32)
+        for r, t in enumerate(turns):
+            tokens[r, : len(t)] = t
+        return types.SimpleNamespace(
+            tokens=tokens,
+            lengths=np.asarray([len(t) for t in turns]),
+            logprobs=np.full((n, T), LOGP, np.float32),
+            temperatures=np.full((n, T), 0.7, np.float32),
+        )
+
+
+def _run(tok, policy, limits=AgentLimits()):
+    fmt = get_format("tag", [Toolbox([calc]).schemas[0]])
+    ids, mask = tok.encode(["What is 3*4+5?"])
+    boxes = [Toolbox([calc]) for _ in range(2)]
+    batch = run_episodes(
+        policy, tok, fmt, boxes, ids, mask, group=2, max_new_tokens=T, limits=limits
+    )
+    return batch, ids, mask
+
+
+def test_a_scripted_episode_end_to_end(tok):
+    policy = Scripted(tok)
+    batch, ids, mask = _run(tok, policy)
+    keep = turn_end(tok, policy.call_turn, ("</calc>",))
+    assert tok.hf.decode(policy.call_turn[:keep]).endswith("</calc>")
+    result = _encode(tok, "<result>17</result>")
+    want = policy.call_turn[:keep] + result + policy.answer
+    n = len(want)
+    assert batch.lengths.tolist() == [n, len(policy.answer)]
+    np.testing.assert_array_equal(batch.tokens[0, :n], want)
+    assert (batch.tokens[0, n:] == tok.pad_id).all() and batch.mask[0].sum() == n
+    model = [1] * keep + [0] * len(result) + [1] * len(policy.answer)
+    np.testing.assert_array_equal(batch.model_mask[0, :n], model)
+    tool = (batch.mask[0] == 1) & (batch.model_mask[0] == 0)
+    assert tok.hf.decode(batch.tokens[0][tool].tolist()) == "<result>17</result>"
+    np.testing.assert_array_equal(batch.logprobs[0], np.where(batch.model_mask[0], LOGP, 0.0))
+    np.testing.assert_array_equal(
+        batch.temperatures[0], np.where(batch.model_mask[0], np.float32(0.7), np.float32(1.0))
+    )
+    first, second = batch.episodes
+    assert (first.num_turns, first.tool_calls, dict(first.failures)) == (2, 1, {})
+    assert first.turns[0].calls[0].arguments == {"expression": "3*4+5"}
+    assert first.turns[0].results[0].text == "17"
+    assert first.turns[1].text == "<answer>17</answer>"
+    assert (second.num_turns, second.tool_calls) == (1, 0)
+
+
+def test_the_continuation_is_sampled_from_prompt_and_episode_within_the_budget(tok):
+    policy = Scripted(tok)
+    batch, ids, mask = _run(tok, policy)
+    assert [c[4] for c in policy.calls] == [0, 1], "one continuation, for the row that called"
+    ctx, ctx_mask, samples, budget, _ = policy.calls[1]
+    assert samples == 1 and ctx.shape[0] == 1
+    prompt = ids[0][mask[0] != 0].tolist()
+    so_far = batch.tokens[0, : batch.lengths[0] - len(policy.answer)].tolist()
+    assert ctx[0][ctx_mask[0] != 0].tolist() == prompt + so_far
+    assert (ctx_mask[0][: -len(prompt + so_far)] == 0).all(), "left-padded"
+    assert budget.tolist() == [T - len(so_far)]
+
+
+def test_max_turns_ends_the_episode_at_the_call(tok):
+    """With one turn allowed, the call is recorded but not run, and nothing follows it."""
+    policy = Scripted(tok)
+    batch, _, _ = _run(tok, policy, AgentLimits(max_turns=1))
+    keep = turn_end(tok, policy.call_turn, ("</calc>",))
+    assert batch.lengths[0] == keep and batch.model_mask[0].sum() == keep
+    assert batch.episodes[0].tool_calls == 0 and len(policy.calls) == 1
+
+
+def test_a_long_result_is_cut_and_counted(tok):
+    def shout(text: str) -> str:
+        """Repeats the text.
+
+        Args:
+            text: what to repeat.
+        """
+        return text * 40
+
+    fmt = get_format("tag", [Toolbox([shout]).schemas[0]])
+    call = _encode(tok, "<shout>ab</shout>")
+    answer = [*_encode(tok, "ok"), tok.eos_ids[0]]
+
+    def policy(ids, mask, num_samples, max_lengths, turn):
+        turn_ids = call if turn == 0 else answer
+        tokens = np.zeros((1, T), np.int32)
+        tokens[0, : len(turn_ids)] = turn_ids
+        return types.SimpleNamespace(
+            tokens=tokens,
+            lengths=np.asarray([len(turn_ids)]),
+            logprobs=np.zeros((1, T), np.float32),
+            temperatures=np.ones((1, T), np.float32),
+        )
+
+    ids, mask = tok.encode(["x"])
+    limits = AgentLimits(max_tool_tokens=5)
+    batch = run_episodes(
+        policy, tok, fmt, [Toolbox([shout])], ids, mask, group=1, max_new_tokens=T, limits=limits
+    )
+    assert batch.episodes[0].truncated_results == 1
+    tool = (batch.mask[0] == 1) & (batch.model_mask[0] == 0)
+    shown = tok.hf.decode(batch.tokens[0][tool].tolist())
+    inner = shown.removeprefix("<result>").removesuffix("</result>")
+    assert len(_encode(tok, inner)) <= 5 and "ab" in inner
+
+
+def test_greedy_continuation_equals_greedy_decoding_of_the_whole_context(tok):
+    """The tiny model continues after a scripted call: its turn is what greedy decoding of
+    prompt + call + result gives on its own, within the episode's remaining budget (the
+    continuation runs through `model_sampler` and `jaxgrpo.sampling.generate`)."""
+    import functools
+
+    import jax
+
+    from jaxgrpo.agents.rollout import model_sampler
+    from jaxgrpo.models.tiny import tiny_model
+    from jaxgrpo.sampling import SamplerSettings, generate
+
+    model, _ = tiny_model(seed=0)
+    settings = SamplerSettings.for_tokenizer(tok, max_new_tokens=96, temperature=0.0)
+    greedy = model_sampler(functools.partial(generate, model), settings, jax.random.key(0))
+    script = Scripted(tok)
+
+    def policy(ids, mask, num_samples, max_lengths, turn):
+        if turn == 0:
+            out = script(ids, mask, num_samples, max_lengths, turn)
+            out.tokens, out.lengths = out.tokens[:1], out.lengths[:1]
+            return out
+        return greedy(ids, mask, num_samples, max_lengths, turn)
+
+    fmt = get_format("tag", [Toolbox([calc]).schemas[0]])
+    ids, mask = tok.encode(["What is 3*4+5?"])
+    batch = run_episodes(policy, tok, fmt, [Toolbox([calc])], ids, mask, group=1, max_new_tokens=96)
+    keep = turn_end(tok, script.call_turn, ("</calc>",))
+    so_far = script.call_turn[:keep] + _encode(tok, "<result>17</result>")
+    context = ids[0][mask[0] != 0].tolist() + so_far
+    alone = generate(
+        model,
+        np.asarray([context], np.int32),
+        np.ones((1, len(context)), np.int32),
+        settings,
+        rng=jax.random.key(1),
+        max_lengths=96 - len(so_far),
+    )
+    n = int(alone.lengths[0])
+    assert n > 1 and batch.lengths[0] == len(so_far) + n, (n, batch.lengths[0], len(so_far))
+    np.testing.assert_array_equal(
+        batch.tokens[0, len(so_far) : len(so_far) + n], alone.tokens[0, :n]
+    )
+    np.testing.assert_allclose(
+        batch.logprobs[0, len(so_far) : len(so_far) + n], alone.logprobs[0, :n], atol=1e-5
+    )
