@@ -20,6 +20,8 @@ is the part of that feature that is plain Python, with no JAX and no tokenizer:
 - ``episode``: the record of one rollout's turns, its TRL conversational form (for reward
   functions) and the step's ``agent/...`` metrics.
 - ``calculator``: ``calc``, the arithmetic tool of the tool-use study.
+- ``python_tool``: ``python``, which runs the model's code in the code sandbox and returns what
+  it printed. ``tools.TOOLS`` names the built-in tools.
 
 - ``rollout``: ``run_episodes``, the host loop over a sampler: a turn for every row, its calls
   run, the results' ids appended with model mask 0 (cut to ``max_tool_tokens``), the rows that
@@ -43,10 +45,12 @@ from jaxgrpo.agents.formats import (
     detect_format,
     get_format,
 )
+from jaxgrpo.agents.python_tool import python
 from jaxgrpo.agents.rollout import AgentLimits, EpisodeBatch, model_sampler, run_episodes
 from jaxgrpo.agents.schema import ToolError, tool_schema
 from jaxgrpo.agents.tools import (
     ERROR_KINDS,
+    TOOLS,
     Toolbox,
     ToolResult,
     contains_control_tokens,
@@ -63,6 +67,7 @@ __all__ = [
     "Episode",
     "JsonFormat",
     "Llama3Format",
+    "TOOLS",
     "TagFormat",
     "ToolCall",
     "ToolError",
@@ -78,6 +83,7 @@ __all__ = [
     "get_format",
     "metrics",
     "model_sampler",
+    "python",
     "reset_environment",
     "run_episodes",
     "tool_schema",

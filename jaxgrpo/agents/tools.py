@@ -23,6 +23,8 @@ Environments (TRL's contract): ``reset(**columns)`` starts an episode and return
 string appended to the last user message (``reset_environment``); ``get_reward()`` scores the
 finished episode, logged under the class's name (``environment_reward``); every other public
 method is a tool (``environment_tools``).
+
+``TOOLS`` names the built-in tools (``calc``, ``python``) that a config may list by name.
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ import inspect
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from jaxgrpo.agents.calculator import calc
 from jaxgrpo.agents.formats import ToolCall
+from jaxgrpo.agents.python_tool import python
 from jaxgrpo.agents.schema import ToolError, signature_line, tool_schema
 from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded
 
@@ -45,6 +49,8 @@ ERROR_KINDS = (
     "oversized",  # the result is longer than max_result_chars
     "control_tokens",  # the result contains a special-token string
 )
+TOOLS: dict[str, Callable] = {"calc": calc, "python": python}
+"""The built-in tools, by the name a config's ``agent.tools`` may use instead of a dotted path."""
 ENVIRONMENT_METHODS = ("reset", "get_reward")  # an environment's methods that are not tools
 _MAX_ERROR_CHARS = 500  # an exception's message is cut to this in the model's error text
 

@@ -1,7 +1,8 @@
 """``code_tests``: run generated Python against the task's asserts in a sandboxed process.
 
-Generated code is hostile input. Each completion runs in its own ``python -I -S`` process, under
-these layers (each one alone stops some attack; together they stop the test suite's cases):
+Generated code is hostile input. Each program runs in its own ``python -I -S`` process
+(``run_sandboxed``, shared with the agents' ``python`` tool, which gets the code's stdout back),
+under these layers (each one alone stops some attack; together they stop the test suite's cases):
 
 1. **Namespaces** (when ``unshare`` works here; checked once and cached): ``unshare --net --pid
    --fork --kill-child`` (plus ``--map-root-user`` when not root) gives the child no network
@@ -14,15 +15,18 @@ these layers (each one alone stops some attack; together they stop the test suit
    trainer always has (XLA). The kernel does not apply ``RLIMIT_NPROC`` to root; there the PID
    namespace and the audit hook stop fork bombs.
 3. **Audit hook** (``sys.addaudithook``, irremovable): refuses process creation (fork, exec,
-   spawn, system, Popen), signals, sockets, ``ctypes``, heap walking (``gc.get_objects``) and
+   spawn, system, Popen), signals, sockets, ``ctypes`` and the other modules that reach memory
+   or files from C unaudited, subinterpreters, heap walking (``gc.get_objects``) and
    any write (open for writing, remove, rename, mkdir, chmod, ...) that resolves outside the
-   working directory (symlinks, ``dir_fd`` and fd arguments included). It is also the
-   no-network layer where namespaces are unavailable. It is a Python-level guard, not a proof
-   against a determined in-process attacker (frame introspection can reach the runner's
-   state); layers 1, 2 and 4 are OS-level.
+   working directory (symlinks, ``dir_fd`` and fd arguments included); for the ``python`` tool,
+   whose output the model reads, also any read or listing outside it and the standard library.
+   It is also the no-network layer where namespaces are unavailable. It is a Python-level guard,
+   not a proof against a determined in-process attacker (frame introspection can reach the
+   runner's state); layers 1, 2 and 4 are OS-level.
 4. **Process hygiene**: a fresh temporary working directory removed afterwards, an environment
    scrubbed to ``PATH``/``HOME``/``LANG``, stdin closed after the spec is read, stdout/stderr of
-   the code discarded, a wall-clock timeout after which the whole process group is SIGKILLed.
+   the code discarded (the ``python`` tool keeps stdout, in a file bounded by ``RLIMIT_FSIZE``),
+   a wall-clock timeout after which the whole process group is SIGKILLed.
 
 Results travel as one line per test, tagged with a random nonce the generated code never sees
 in its inputs, so printing "passed" or calling ``exit(0)`` earns nothing.
@@ -31,6 +35,7 @@ in its inputs, so printing "passed" or calling ``exit(0)`` earns nothing.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import os
@@ -117,34 +122,74 @@ def run_tests(
       [len(tests)] booleans; a test the process did not report (crash, timeout) failed.
     """
     nonce = secrets.token_hex(16)
-    spec = {"nonce": nonce, "code": code, "setup": setup or "", "tests": list(tests)}
-    spec["limits"] = sandbox_limits(timeout, memory_mb)
+    spec = {"mode": "tests", "nonce": nonce, "code": code, "setup": setup or ""}
+    spec["tests"] = list(tests)
+    run = run_sandboxed(spec, timeout=timeout, memory_mb=memory_mb, tmp_root=tmp_root)
+    return _parse_results(run.report.decode(errors="replace").splitlines(), nonce, len(tests))
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxRun:
+    """What one sandboxed process left behind.
+
+    Attributes:
+      report: the runner's report (``sandbox_runner``'s fd 1), its first ``max_bytes``.
+      output: what the code printed (``run`` mode), its first ``max_bytes``.
+      output_bytes: the size of all it printed.
+      timed_out: whether the wall-clock timeout stopped it.
+    """
+
+    report: bytes
+    output: bytes
+    output_bytes: int
+    timed_out: bool
+
+
+def run_sandboxed(
+    spec: dict,
+    *,
+    timeout: float,
+    memory_mb: int,
+    tmp_root: str | None = None,
+    max_bytes: int = 2**20,
+) -> SandboxRun:
+    """Runs ``sandbox_runner.py`` on ``spec`` (its ``mode`` and code; the limits are added)
+    in a fresh temporary directory, removed afterwards, under every layer of the sandbox."""
+    spec = {**spec, "limits": sandbox_limits(timeout, memory_mb)}
     with tempfile.TemporaryDirectory(prefix="jaxgrpo_sandbox_", dir=tmp_root) as root:
         work = os.path.join(root, "work")
         os.mkdir(work)
-        # The report goes to a file, not a pipe: RLIMIT_FSIZE bounds it, and a child that
+        # Report and output go to files, not pipes: RLIMIT_FSIZE bounds them, and a child that
         # floods its output cannot grow the trainer's memory.
-        with open(os.path.join(root, "results"), "w+b") as results:
-            _run_child(json.dumps(spec).encode(), work, results, timeout)
-            results.seek(0)
-            lines = results.read(2**20).decode(errors="replace").splitlines()
-    return _parse_results(lines, nonce, len(tests))
+        report_path, output_path = os.path.join(root, "report"), os.path.join(root, "output")
+        with open(report_path, "w+b") as report, open(output_path, "w+b") as output:
+            timed_out = _run_child(json.dumps(spec).encode(), work, report, output, timeout)
+            report.seek(0)
+            output.seek(0)
+            return SandboxRun(
+                report=report.read(max_bytes),
+                output=output.read(max_bytes),
+                output_bytes=os.fstat(output.fileno()).st_size,
+                timed_out=timed_out,
+            )
 
 
-def _run_child(spec: bytes, work: str, results, timeout: float) -> None:
+def _run_child(spec: bytes, work: str, report, output, timeout: float) -> bool:
+    """Runs the child to its end or ``timeout``, then kills its group; whether it timed out."""
     proc = subprocess.Popen(
         [*namespace_prefix(), sys.executable, "-I", "-S", sandbox_runner.__file__],
         stdin=subprocess.PIPE,
-        stdout=results,
-        stderr=subprocess.DEVNULL,
+        stdout=report,
+        stderr=output,
         cwd=work,
         env={"PATH": "/usr/bin:/bin", "HOME": work, "TMPDIR": work, "LANG": "C.UTF-8"},
         start_new_session=True,  # its own process group, killed whole below
     )
     try:
         proc.communicate(spec, timeout=timeout)
+        return False
     except subprocess.TimeoutExpired:
-        pass
+        return True
     finally:
         _kill_group(proc)
 

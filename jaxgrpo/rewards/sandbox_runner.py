@@ -1,9 +1,17 @@
-"""The trusted half of the ``code_tests`` sandbox, run as ``python -I -S sandbox_runner.py``.
+"""The trusted half of the code sandbox, run as ``python -I -S sandbox_runner.py``.
 
 It runs inside the child process, before and around the generated code: it reads a JSON spec
 from stdin, locks its resource limits (soft = hard), installs an irremovable audit hook, then
-executes the setup, the program and each test, reporting one ``<nonce> <index> <0|1>`` line per
-test on its original stdout. The generated code's own stdout/stderr go to ``/dev/null``.
+runs the code in one of two modes, reporting on its original stdout (fd 1):
+
+- ``tests`` (the ``code_tests`` reward): executes the setup, the program and each test,
+  reporting one ``<nonce> <index> <0|1>`` line per test. The code's stdout/stderr go to
+  ``/dev/null``.
+- ``run`` (the agents' ``python`` tool): executes the program with its stdout on the file the
+  parent passed as fd 2 (line-buffered, so a killed program's lines survive), its stderr on
+  ``/dev/null``, and reports ``done`` or ``raised <last traceback line>``. Its output goes back
+  to the model, so reads are confined too: files and directory listings outside the working
+  directory and the standard library are refused.
 
 Standard library only: the child runs without site-packages. Importing this module does nothing.
 """
@@ -12,6 +20,7 @@ import json
 import os
 import resource
 import sys
+import traceback
 
 BLOCKED_EVENTS = frozenset(
     {
@@ -20,10 +29,11 @@ BLOCKED_EVENTS = frozenset(
         "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.sendto",
         "gc.get_objects", "gc.get_referrers", "gc.get_referents", "resource.setrlimit",
         "resource.prlimit", "os.chdir", "os.chroot", "sys.setprofile", "sys.settrace",
-        "mmap.__new__",
+        "mmap.__new__", "cpython.PyInterpreterState_New",
     }
 )  # fmt: skip
-"""Audit events refused outright: process creation, signals, sockets, heap walking, limits."""
+"""Audit events refused outright: process creation, signals, sockets, heap walking, limits, and
+subinterpreters (an audit hook added from Python guards only its own interpreter)."""
 
 WRITE_EVENTS = {
     "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
@@ -37,14 +47,28 @@ WRITE_EVENTS = {
 """Audit events that write: ``event -> ((path index, dir_fd index or None), ...)`` in the
 event's arguments, one pair per path the event writes (a hard link's source counts)."""
 
-BLOCKED_MODULES = frozenset({"ctypes", "_ctypes", "_posixsubprocess", "cffi", "_multiprocessing"})
+BLOCKED_MODULES = frozenset(
+    {
+        "ctypes", "_ctypes", "_posixsubprocess", "cffi", "_multiprocessing",
+        "_xxsubinterpreters", "_testcapi", "_testinternalcapi", "_posixshmem", "readline",
+        "spwd",
+    }
+)  # fmt: skip
+"""Modules refused at import: raw memory, processes, subinterpreters, shared memory outside the
+directory, and file or password access in C that raises no audit event (``readline``'s history
+files, ``spwd``'s shadow passwords)."""
+LIST_EVENTS = ("os.listdir", "os.scandir")  # confined with reads (a None path is the cwd)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 
 
-def make_audit_hook(root: str):
-    """An audit hook refusing ``BLOCKED_*`` and any write that resolves outside ``root``."""
-    root = os.path.realpath(root) + os.sep
+def make_audit_hook(root: str, read_roots=None):
+    """An audit hook refusing ``BLOCKED_*``, any write that resolves outside ``root`` and, with
+    ``read_roots`` (a list of directories), any read or listing outside ``root`` and them."""
     realpath, join, readlink, isdir = os.path.realpath, os.path.join, os.readlink, os.path.isdir
+    root = realpath(root) + os.sep
+    readable_roots = None
+    if read_roots is not None:
+        readable_roots = (root, *(realpath(r) + os.sep for r in read_roots))
 
     def resolve(path, dir_fd=None):
         if isinstance(path, int):  # an fd: where it points
@@ -54,11 +78,14 @@ def make_audit_hook(root: str):
             path = join(readlink(f"/proc/self/fd/{dir_fd}"), path)
         return realpath(path)
 
-    def inside(path, dir_fd=None):
+    def inside(path, dir_fd=None, roots=root):
         try:
-            return (resolve(path, dir_fd) + os.sep).startswith(root)
+            return (resolve(path, dir_fd) + os.sep).startswith(roots)
         except (OSError, TypeError, ValueError):
             return False
+
+    def readable(path):
+        return readable_roots is None or inside(path, roots=readable_roots)
 
     def check_open(path, mode, flags):
         if isinstance(path, int):
@@ -66,9 +93,19 @@ def make_audit_hook(root: str):
         writes = any(c in mode for c in "wax+") if mode is not None else flags & _WRITE_FLAGS
         if writes and not inside(path):
             raise PermissionError("sandbox: writing outside the working directory")
+        if not readable(path):
+            raise PermissionError("sandbox: reading outside the working directory")
         # A directory fd from os.open would let a later ``dir_fd=`` call escape unseen.
         if mode is None and not inside(path) and isdir(path):
             raise PermissionError("sandbox: opening a directory outside the working directory")
+
+    def in_memory_or_inside(database):
+        # SQLite opens its file in C, unaudited; a "file:" URI would be read as a local name.
+        try:
+            name = os.fsdecode(database)
+        except TypeError:
+            return False
+        return name == ":memory:" or (not name.startswith("file:") and inside(name))
 
     def hook(event, args):
         if event in BLOCKED_EVENTS or event.startswith("ctypes."):
@@ -77,6 +114,10 @@ def make_audit_hook(root: str):
             raise PermissionError(f"sandbox: import {args[0]} is not allowed")
         if event == "open":
             check_open(*args)
+        elif event in LIST_EVENTS and not readable("." if args[0] is None else args[0]):
+            raise PermissionError(f"sandbox: {event} outside the working directory")
+        elif event == "sqlite3.connect" and not in_memory_or_inside(args[0]):
+            raise PermissionError("sandbox: a database outside the working directory")
         elif event in WRITE_EVENTS:
             for path_at, fd_at in WRITE_EVENTS[event]:
                 if not inside(args[path_at], None if fd_at is None else args[fd_at]):
@@ -104,15 +145,41 @@ def run(code: str, setup: str, tests: list, report) -> None:
         report(i, ok)
 
 
+def run_printing(code: str, report) -> None:
+    """Executes ``code``, which prints to ``sys.stdout``, then reports ``done`` or ``raised
+    <its traceback's last line>`` (``sys.exit()`` and ``sys.exit(0)`` are done)."""
+    stdout, format_exception_only = sys.stdout, traceback.format_exception_only
+    try:
+        exec(compile(code, "<code>", "exec"), {"__name__": "__main__"})
+        outcome = "done"
+    except SystemExit as e:
+        outcome = "done" if e.code in (None, 0) else f"raised SystemExit: {e.code}"
+    except BaseException as e:
+        outcome = "raised " + format_exception_only(type(e), e)[-1].rstrip("\n")
+    try:
+        stdout.flush()
+    except BaseException:  # past RLIMIT_FSIZE: what was written stays
+        pass
+    report(outcome)
+
+
 def main() -> None:
     spec = json.loads(sys.stdin.read())
     os.close(0)
     results = os.fdopen(os.dup(1), "w", buffering=1)
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)
+    printing = spec["mode"] == "run"
+    os.dup2(2 if printing else devnull, 1)
     os.dup2(devnull, 2)
     for name, value in spec["limits"].items():
         resource.setrlimit(getattr(resource, name), (value, value))
+    if printing:
+        code, write = spec["code"], results.write
+        del spec
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.addaudithook(make_audit_hook(os.getcwd(), read_roots=list(sys.path)))
+        run_printing(code, lambda outcome: write(outcome + "\n"))
+        os._exit(0)
     # Bound before the code runs, so patching builtins or modules cannot change the report.
     write, prefixes = results.write, [f"{spec['nonce']} {i} " for i in range(len(spec["tests"]))]
     code, setup, tests = spec["code"], spec["setup"], spec["tests"]
