@@ -38,11 +38,12 @@ def text_reward(prompts, completions, **_):
     return [float(sum(map(ord, c)) % 7) / 7.0 for c in completions]
 
 
-def make_learner(mesh_shape: dict, devices=None, reward=text_reward, **overrides):
+def make_learner(mesh_shape: dict, devices=None, reward=text_reward, agent=None, **overrides):
     """(learner, format_copy task) for tiny.py with beta 0.04 and `reward`, on a mesh of
     `devices`; `overrides` are config keys (`"rl.grad_accum": 2`). LoRA adapters as the config
     says, none with `model.lora_rank=0` (as `jaxgrpo.run.train` builds the model), and the
-    mesh's layout; the layers unrolled only with `model.layer_loop="unroll"`."""
+    mesh's layout; the layers unrolled only with `model.layer_loop="unroll"`. `agent(tokenizer)`
+    makes the learner's `jaxgrpo.agents.Agent`, whose environment's reward joins `reward`."""
     base = {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1}
     cfg = load_config("tiny.py", {**base, **overrides})
     mesh = sharding.make_mesh(mesh_shape, devices=devices)
@@ -53,7 +54,13 @@ def make_learner(mesh_shape: dict, devices=None, reward=text_reward, **overrides
     remat = dict(remat=cfg.model.remat, remat_policy=cfg.model.remat_policy)
     model, tokenizer = tiny_model(lora, seed=cfg.seed, mesh=mesh, layout=layout, **remat)
     task = get_task("format_copy")
-    return Learner(cfg, model, tokenizer, task, RewardSet([(reward, 1.0)]), mesh), task
+    rewards = [(reward, 1.0)]
+    if agent is not None:
+        agent = agent(tokenizer)
+        if agent.reward_function() is not None:
+            rewards.append((agent.reward_function(), agent.reward_weight))
+    learner = Learner(cfg, model, tokenizer, task, RewardSet(rewards), mesh, agent)
+    return learner, task
 
 
 def run_steps(learner, examples, steps: int):

@@ -23,16 +23,21 @@ is the part of that feature that is plain Python, with no JAX and no tokenizer:
 - ``python_tool``: ``python``, which runs the model's code in the code sandbox and returns what
   it printed. ``tools.TOOLS`` names the built-in tools.
 
+- ``agent``: ``Agent``, a run's tools, environment, format and limits: it starts each step's
+  episodes (an environment per episode, reset with the example's columns; the tools described in
+  the system message) and runs them; the environment's ``get_reward()`` as a reward function.
 - ``rollout``: ``run_episodes``, the host loop over a sampler: a turn for every row, its calls
   run, the results' ids appended with model mask 0 (cut to ``max_tool_tokens``), the rows that
   called sampled again from their whole context, until a turn without a call, ``max_turns`` or
   the episode's token budget. The sampled ids are kept as drawn, never re-tokenized from text.
 
-Training does not run episodes yet: the learner's rollouts are single turns.
+The learner (``jaxgrpo.rl.learner``) trains on the episodes with the results' ids masked from
+the loss; the ``agent`` config section builds the ``Agent``.
 """
 
 from __future__ import annotations
 
+from jaxgrpo.agents.agent import Agent
 from jaxgrpo.agents.calculator import calc
 from jaxgrpo.agents.episode import Episode, Turn, metrics, with_observation
 from jaxgrpo.agents.formats import (
@@ -60,6 +65,7 @@ from jaxgrpo.agents.tools import (
 )
 
 __all__ = [
+    "Agent",
     "AgentLimits",
     "ERROR_KINDS",
     "EpisodeBatch",

@@ -57,6 +57,8 @@ class EpisodeBatch:
       model_mask: 1 on the ids the model drew (what the loss trains), 0 on results and padding.
       logprobs / temperatures: the sampler's, on model ids; 0 and 1 elsewhere.
       lengths: ids per episode.
+      truncated: bool, the episodes that used their whole budget without ending their last
+        turn (with a stop token): ``completion/truncated_frac`` and ``rl.mask_truncated``.
       episodes: the turns, calls and results of each row (`Episode`).
     """
 
@@ -66,6 +68,7 @@ class EpisodeBatch:
     logprobs: np.ndarray
     temperatures: np.ndarray
     lengths: np.ndarray
+    truncated: np.ndarray
     episodes: list[Episode]
 
 
@@ -193,10 +196,10 @@ def run_episodes(
         extra = _padded_rows(len(live)) - len(live)
         ids, mask = _left_padded(contexts + contexts[:1] * extra, tokenizer.pad_id, 16)
         out = sample(ids, mask, 1, np.asarray(budget + [1] * extra, np.int32), turn + 1)
-    return _as_batch(rows, max_new_tokens, tokenizer.pad_id)
+    return _as_batch(rows, max_new_tokens, tokenizer.pad_id, eos)
 
 
-def _as_batch(rows: Sequence[_Row], t: int, pad_id: int) -> EpisodeBatch:
+def _as_batch(rows: Sequence[_Row], t: int, pad_id: int, eos: set[int]) -> EpisodeBatch:
     r = len(rows)
     batch = EpisodeBatch(
         tokens=np.full((r, t), pad_id, np.int32),
@@ -205,6 +208,7 @@ def _as_batch(rows: Sequence[_Row], t: int, pad_id: int) -> EpisodeBatch:
         logprobs=np.zeros((r, t), np.float32),
         temperatures=np.ones((r, t), np.float32),
         lengths=np.zeros((r,), np.int32),
+        truncated=np.array([len(row.ids) >= t and row.ids[-1] not in eos for row in rows], bool),
         episodes=[row.episode for row in rows],
     )
     for i, row in enumerate(rows):

@@ -179,6 +179,26 @@ def _eval() -> ConfigDict:
     return c
 
 
+def _agent() -> ConfigDict:
+    c = ConfigDict()
+    # tool functions by dotted name ("my_pkg.tools.search"), TRL's `tools=[...]`: each one's
+    # schema comes from its type hints and its docstring's Args section
+    c.tools = ()
+    # a class (or factory) by dotted name, TRL's `environment_factory`: one instance per
+    # episode; its public methods are tools, reset(**columns) may add to the prompt and
+    # get_reward() scores the episode; "" = none
+    c.environment = ""
+    c.environment_reward_weight = 1.0  # weight of the environment's get_reward(); 0 = not used
+    c.max_turns = 4  # model turns per episode at most (TRL's max_tool_calling_iterations + 1)
+    c.max_tool_tokens = 256  # a tool result longer than this many tokens is cut (and counted)
+    c.tool_timeout_s = 10.0  # a tool call past this many seconds returns a timeout error
+    # how calls are written: "auto" (the chat template's: Qwen's <tool_call> JSON, Llama 3.1's
+    # JSON turn; else jaxgrpo's <tool_call> JSON in any ChatML template), "json", "llama3", or
+    # "tag" (<calc>3*4</calc> answered by <result>12</result> in the same turn; one-argument tools)
+    c.format = "auto"
+    return c
+
+
 def get_config() -> ConfigDict:
     """Returns the full default config (every field present)."""
     c = ConfigDict()
@@ -196,4 +216,5 @@ def get_config() -> ConfigDict:
     c.checkpoint = _checkpoint()  # orbax checkpoints
     c.logging = _logging()  # metrics, samples, progress
     c.eval = _eval()  # held-out evaluation: during training, and python -m jaxgrpo.evaluate
+    c.agent = _agent()  # tools and environments: episodes of several turns (none by default)
     return c

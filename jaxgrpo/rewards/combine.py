@@ -213,6 +213,7 @@ class RewardSet:
             inputs.columns,
             inputs.step,
             prompt_messages=inputs.prompt_messages if self.conversational else None,
+            completion_messages=inputs.completion_messages,
             max_steps=inputs.max_steps,
             max_failed_steps=max_failed_steps,
         )
@@ -229,6 +230,7 @@ class RewardSet:
         step: int = 0,
         *,
         prompt_messages: Sequence[list[dict]] | None = None,
+        completion_messages: Sequence[list[dict]] | None = None,
         max_steps: int = 0,
         max_failed_steps: int | None = None,
     ) -> tuple[np.ndarray, dict[str, np.ndarray], dict[str, float]]:
@@ -242,6 +244,8 @@ class RewardSet:
           step: the training step, for curricula.
           prompt_messages: [N] prompts as chat messages. Given: user functions get TRL's
             conversational ``prompts``/``completions`` (lists of messages); None: strings.
+          completion_messages: [N] the completions as messages when they are episodes with
+            tool calls (``RewardInputs.completion_messages``); None: one assistant message each.
           max_steps: the run's length, for ``trainer_state`` (``TrainerState(step, max_steps)``,
             passed to every function).
           max_failed_steps: in training, raise ``RewardError`` once a function has failed
@@ -266,6 +270,8 @@ class RewardSet:
         conversational = None
         if prompt_messages is not None:
             assistant = [[{"role": "assistant", "content": c}] for c in completions]
+            if completion_messages is not None:
+                assistant = [list(m) for m in completion_messages]
             conversational = (list(prompt_messages), assistant)
         weights = self.weights(step)
         per_fn = {}

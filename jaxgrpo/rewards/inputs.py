@@ -31,6 +31,9 @@ class RewardInputs:
         ``answer``), ``completion_ids`` (the sampled ids, no padding, up to and including the
         stop token) and ``completion_lengths`` (their lengths).
       prompt_messages: [N] the examples' chats, TRL's conversational ``prompts``.
+      completion_messages: [N] each episode's messages after the prompt (assistant turns with
+        ``tool_calls``, then ``tool`` messages), TRL's conversational ``completions`` of a
+        tool-calling run; None: one assistant message holding the completion.
       step: the training step the completions belong to (curricula, ``trainer_state``).
       max_steps: the run's ``steps`` (``trainer_state.max_steps``; 0 when unknown).
     """
@@ -41,6 +44,7 @@ class RewardInputs:
     prompt_messages: list[list[dict]]
     step: int = 0
     max_steps: int = 0
+    completion_messages: list[list[dict]] | None = None
 
 
 def reward_inputs(
@@ -52,6 +56,9 @@ def reward_inputs(
     *,
     step: int = 0,
     max_steps: int = 0,
+    episodes: Sequence[Any] | None = None,
+    environments: Sequence[Any] | None = None,
+    prompt_messages: Sequence[list[dict]] | None = None,
 ) -> RewardInputs:
     """The ``RewardInputs`` of ``group_size`` completions per example.
 
@@ -62,6 +69,12 @@ def reward_inputs(
       completions: [B * G] completion texts.
       completion_ids: [B * G] the sampled token ids of each completion, without padding.
       step / max_steps: see ``RewardInputs``.
+      episodes: [B * G] ``jaxgrpo.agents.Episode`` records of a tool-calling run: the
+        ``episodes`` column, and the conversational completions (``Episode.to_messages``).
+      environments: [B * G] the episodes' environment instances: the ``environments`` column
+        (TRL's), which reward functions read the episode's state from.
+      prompt_messages: [B * G] the chats the episodes started from (the tools' instructions
+        and the environments' text added); default: the examples'.
     """
     n = len(examples) * group_size
     for name, values in (("prompts", prompts), ("completions", completions)):
@@ -73,5 +86,17 @@ def reward_inputs(
     columns = columns_for(examples, group_size)
     columns["completion_ids"] = ids
     columns["completion_lengths"] = [len(row) for row in ids]
-    messages = [ex["messages"] for ex in examples for _ in range(group_size)]
-    return RewardInputs(list(prompts), list(completions), columns, messages, step, max_steps)
+    if prompt_messages is None:
+        prompt_messages = [ex["messages"] for ex in examples for _ in range(group_size)]
+    messages = [list(m) for m in prompt_messages]
+    completion_messages = None
+    if episodes is not None:
+        columns["episodes"] = list(episodes)
+        completion_messages = [
+            e.to_messages(m)[len(m) :] for e, m in zip(episodes, messages, strict=True)
+        ]
+    if environments is not None:
+        columns["environments"] = list(environments)
+    return RewardInputs(
+        list(prompts), list(completions), columns, messages, step, max_steps, completion_messages
+    )

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 
+from jaxgrpo.core.dotted import import_dotted
 from jaxgrpo.rewards.bleu import bleu
 from jaxgrpo.rewards.code import code_tests
 from jaxgrpo.rewards.embedding import embedding
@@ -65,10 +65,9 @@ def get_reward(target: str | Callable, **kwargs) -> Callable[..., list]:
     elif target in REWARDS:
         fn = REWARDS[target]
     elif "." in target or ":" in target:
-        module_name, _, attr = target.replace(":", ".").rpartition(".")
         try:
-            fn = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as error:
+            fn = import_dotted(target)
+        except ImportError as error:
             raise ValueError(f"cannot import reward function {target!r}: {error}") from error
     else:
         raise ValueError(

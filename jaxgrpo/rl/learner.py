@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,6 +48,8 @@ class Learner:
         task: the task (its name selects the accuracy rule).
         reward_set: `jaxgrpo.rewards.RewardSet`.
         mesh: the (data, fsdp, tensor) mesh; None makes one over all devices on `data`.
+        agent: a `jaxgrpo.agents.Agent`: rollouts are episodes of several turns with its tools
+            (tool results masked from the loss); None: one completion per sample.
 
     Attributes:
         programs: the step's compiled programs, their shardings and the frozen weights.
@@ -54,8 +57,8 @@ class Learner:
         buckets: the batch widths seen so far (they only grow: few recompiles).
     """
 
-    def __init__(self, cfg, model, tokenizer, task, reward_set, mesh=None):
-        self.cfg, self.rl = cfg, cfg.rl
+    def __init__(self, cfg, model, tokenizer, task, reward_set, mesh=None, agent=None):
+        self.cfg, self.rl, self.agent = cfg, cfg.rl, agent
         self.tokenizer, self.task, self.reward_set = tokenizer, task, reward_set
         self.mesh = mesh if mesh is not None else sharding.make_mesh({"data": -1})
         self.programs = StepPrograms(cfg, model, self.mesh)
@@ -156,20 +159,22 @@ class Learner:
     def _sample(self, state, examples, key, step, timer) -> ro.Rollout:
         """Samples G completions per example and scores them (one sampling round)."""
         g, tok = self.rl.group_size, self.tokenizer
+        episodes = environments = toolboxes = row_messages = None
         with timer("sampling"):
-            messages = [ex["messages"] for ex in examples]
+            if self.agent is None:
+                messages = [ex["messages"] for ex in examples]
+            else:
+                messages, toolboxes = self.agent.start(examples, g)
+                row_messages = [m for m in messages for _ in range(g)]
+                if self.agent.environment is not None:
+                    environments = [box.environment for box in toolboxes]
             ids, mask = ro.trim_prompts(*tok.encode_chat(messages), self.buckets)
-            out = generate_from_state(
-                self.programs.graphdef,
-                (state.params, self.programs.frozen),
-                self.programs.model_cfg,
-                sharding.put_batch(ids, self.mesh),
-                sharding.put_batch(mask, self.mesh),
-                self.sampler_settings(step),
-                rng=key,
-            )
-            host = {k: sharding.to_host(getattr(out, k)) for k in step_metrics.SAMPLE_FIELDS}
-            timer.add_tokens(int(host["lengths"].sum()))
+            sample = self.turn_sampler(state, self.sampler_settings(step), key)
+            if toolboxes is None:
+                host = sample(ids, mask, g, None, 0)
+            else:
+                host, episodes = self._episodes(sample, toolboxes, ids, mask)
+            timer.add_tokens(int(host.get("model_mask", host["mask"]).sum()))
         with timer("rewards"):
             completions = tok.batch_decode(host["tokens"], host["mask"])
             prompts = [tok.apply_chat_template(m) for m in messages for _ in range(g)]
@@ -184,6 +189,9 @@ class Learner:
                 sampled=host,
                 max_failed_steps=self.cfg.rewards.max_failed_steps,
                 max_steps=self.cfg.steps,
+                episodes=episodes,
+                environments=environments,
+                prompt_messages=row_messages,
             )
         return ro.Rollout(
             examples=examples,
@@ -201,7 +209,62 @@ class Learner:
             per_fn=per_fn,
             weights=weights,
             correct=correct,
+            model_mask=host.get("model_mask"),
+            episodes=episodes,
+            environments=environments,
         )
+
+    def turn_sampler(self, state: TrainState, settings: SamplerSettings, key) -> Callable:
+        """``sample(ids [N, P], mask, num_samples, max_lengths, turn)`` -> the host arrays of
+        ``step_metrics.SAMPLE_FIELDS`` [N * num_samples, T]: the policy's sampler on the mesh,
+        each turn with its own key. Rows are padded to split over the mesh's batch shards (an
+        episode's later turns sample only the rows that called a tool)."""
+        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+
+        def sample(ids, mask, num_samples, max_lengths, turn):
+            n = ids.shape[0]
+            extra = -n % shards
+            if extra:
+                ids = np.concatenate([ids, np.repeat(ids[:1], extra, axis=0)])
+                mask = np.concatenate([mask, np.repeat(mask[:1], extra, axis=0)])
+                if max_lengths is not None:
+                    max_lengths = np.concatenate([max_lengths, np.ones(extra, np.int32)])
+            out = generate_from_state(
+                self.programs.graphdef,
+                (state.params, self.programs.frozen),
+                self.programs.model_cfg,
+                sharding.put_batch(ids, self.mesh),
+                sharding.put_batch(mask, self.mesh),
+                dataclasses.replace(settings, num_samples=num_samples, max_lengths=max_lengths),
+                rng=key if turn == 0 else jax.random.fold_in(key, turn),
+            )
+            rows = n * num_samples
+            return {k: sharding.to_host(getattr(out, k))[:rows] for k in step_metrics.SAMPLE_FIELDS}
+
+        return sample
+
+    def _episodes(self, sample, toolboxes, ids, mask) -> tuple[dict, list]:
+        """The agent's episodes from prompts [B, P]: host arrays as ``turn_sampler``'s, plus
+        ``model_mask``; and the episode records."""
+        b = self.agent.run(
+            lambda *args: types.SimpleNamespace(**sample(*args)),
+            toolboxes,
+            ids,
+            mask,
+            group=self.rl.group_size,
+            max_new_tokens=self.cfg.sampling.max_new_tokens,
+        )
+        stop = np.where(b.truncated, step_metrics.LENGTH, step_metrics.STOP_TOKEN)
+        host = {
+            "tokens": b.tokens,
+            "mask": b.mask,
+            "model_mask": b.model_mask,
+            "logprobs": b.logprobs,
+            "temperatures": b.temperatures,
+            "stop_reason": stop.astype(np.int32),
+            "lengths": b.lengths,
+        }
+        return host, b.episodes
 
     def collect(self, state, examples, key, step, draw, timer) -> tuple[ro.Rollout, int]:
         """Sampling rounds; with dynamic sampling, refills zero-variance groups from `draw`."""
@@ -276,17 +339,16 @@ class Learner:
     def _finish_batch(self, r, inputs, packing, shared, t, sampler_logp, old_logp, ref_logp):
         """KL-in-reward, advantages and the loss mask -> (the device batch, host extras)."""
         put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
-        mask = r.mask[:, :t]
+        trained = r.trained_mask[:, :t]  # the model's own ids: tool results get no loss or KL
         truncated = r.stop_reason == step_metrics.LENGTH
-        loss_mask = r.mask * (~truncated[:, None]) if self.rl.mask_truncated else r.mask
-        loss_mask = loss_mask[:, :t]
+        loss_mask = trained * (~truncated[:, None]) if self.rl.mask_truncated else trained
         rewards = r.rewards
         extra: dict[str, Any] = {}
         if self.programs.needs_ref and self.rl.kl_in_reward:
             forward = self.programs.old_from == "forward"
             behaviour = sharding.to_host(old_logp) if forward else r.logprobs[:, :t]
             penalized, kl_R = kl_penalized_rewards(
-                rewards, behaviour, sharding.to_host(ref_logp), mask, self.rl.beta
+                rewards, behaviour, sharding.to_host(ref_logp), trained, self.rl.beta
             )
             rewards, extra["kl_in_reward"] = np.asarray(penalized), np.asarray(kl_R)
         adv, adv_metrics = step_metrics.advantages(
@@ -297,7 +359,8 @@ class Learner:
             prompt_ids=inputs[0],
             prompt_mask=inputs[1],
             tokens=inputs[2],
-            mask=put(loss_mask.astype(np.int32)),
+            mask=inputs[3],
+            loss_mask=put(loss_mask.astype(np.int32)),
             temps=inputs[4],
             sampler_logp=sampler_logp,
             old_logp=old_logp,

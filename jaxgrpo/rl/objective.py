@@ -134,14 +134,14 @@ def make_loss_fn(
 
         params, layer_acc = fold_accumulator(params, frozen, grad_acc)
         model = nnx.merge(graphdef, params, frozen)
-        mask = take(batch.mask, rows)
+        mask = take(batch.loss_mask, rows)  # the ids trained on (not tool results)
         packing = None if batch.packing is None else batch.packing.take(idx_M, rows)
         logp, entropy = shared_prefix_logprobs(
             model,
             take(batch.prompt_ids, idx_M),
             take(batch.prompt_mask, idx_M),
             take(batch.tokens, rows),
-            mask,
+            take(batch.mask, rows),  # every id of the completion, for attention
             take(batch.temps, rows),
             group_size=g,
             chunk_size=spec.chunk_size,
@@ -155,7 +155,7 @@ def make_loss_fn(
         is_weights = None
         if spec.tis_cap > 0:
             is_weights = truncated_is_weights(behaviour, sampler_logp, spec.tis_cap)
-        norms = loss_normalizers(take(batch.mask, group_rows(idx_UM.reshape(-1), g)))
+        norms = loss_normalizers(take(batch.loss_mask, group_rows(idx_UM.reshape(-1), g)))
         loss, metrics = policy_loss(
             logp,
             old_logp,

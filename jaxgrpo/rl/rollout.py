@@ -148,7 +148,10 @@ class RolloutBatch:
         prompt_ids: int32 [B, P] left-padded prompts (what follows `shared_ids`).
         prompt_mask: int32 [B, P].
         tokens: int32 [R, T] completions (row b*G + g is sample g of prompt b).
-        mask: int32 [R, T] loss mask (sampler mask, zeroed for truncated rows when masking).
+        mask: int32 [R, T] 1 on every completion id, the model's and a tool's (what later ids
+            attend).
+        loss_mask: int32 [R, T] the ids the loss trains: the model's own (not tool results),
+            zeroed for truncated rows when masking.
         temps: float32 [R, T] temperature each token was sampled at.
         sampler_logp: float32 [R, T] log-probs reported by the sampler.
         old_logp: float32 [R, T] behaviour log-probs from a trainer forward pass (zeros when
@@ -165,6 +168,7 @@ class RolloutBatch:
     prompt_mask: Array
     tokens: Array
     mask: Array
+    loss_mask: Array
     temps: Array
     sampler_logp: Array
     old_logp: Array
@@ -187,6 +191,10 @@ class Rollout:
         rewards: float32 [R] weighted total; per_fn: name -> float32 [R] raw values (NaN where
             a function returned None); weights: name -> weight used this step.
         correct: bool [R] strict correctness, or None when the task has no notion of it.
+        model_mask: int32 [R, T] 1 on the ids the model drew, 0 on tool results and padding;
+            None: every id of ``mask`` (single-turn completions).
+        episodes: R ``jaxgrpo.agents.Episode`` records (turns, calls, results), or None.
+        environments: R environment instances, one per episode, or None.
     """
 
     examples: list[dict]
@@ -204,6 +212,14 @@ class Rollout:
     per_fn: dict[str, np.ndarray]
     weights: dict[str, float]
     correct: np.ndarray | None
+    model_mask: np.ndarray | None = None
+    episodes: list | None = None
+    environments: list | None = None
+
+    @property
+    def trained_mask(self) -> np.ndarray:
+        """[R, T] the ids the loss may train: the model's own."""
+        return self.mask if self.model_mask is None else self.model_mask
 
     @property
     def group_size(self) -> int:
@@ -238,6 +254,9 @@ def _take(r: Rollout, groups: np.ndarray, rows: np.ndarray) -> Rollout:
         per_fn={k: v[rows] for k, v in r.per_fn.items()},
         weights=r.weights,
         correct=None if r.correct is None else r.correct[rows],
+        model_mask=None if r.model_mask is None else r.model_mask[rows],
+        episodes=None if r.episodes is None else [r.episodes[i] for i in rows],
+        environments=None if r.environments is None else [r.environments[i] for i in rows],
     )
 
 
@@ -262,6 +281,12 @@ def concat(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         return np.concatenate([getattr(r, name) for r in rollouts], axis=0)
 
     correct = None if rollouts[0].correct is None else cat("correct")
+
+    def join(name):  # a list per row, or None
+        if getattr(rollouts[0], name) is None:
+            return None
+        return [x for r in rollouts for x in getattr(r, name)]
+
     return Rollout(
         examples=[e for r in rollouts for e in r.examples],
         prompt_ids=np.concatenate([ids for ids, _ in padded]),
@@ -278,6 +303,9 @@ def concat(rollouts: Sequence[Rollout], pad_id: int) -> Rollout:
         per_fn={k: np.concatenate([r.per_fn[k] for r in rollouts]) for k in rollouts[0].per_fn},
         weights=rollouts[0].weights,
         correct=correct,
+        model_mask=None if rollouts[0].model_mask is None else cat("model_mask"),
+        episodes=join("episodes"),
+        environments=join("environments"),
     )
 
 
@@ -293,6 +321,9 @@ def score(
     sampled: dict[str, np.ndarray],
     max_failed_steps: int | None = None,
     max_steps: int = 0,
+    episodes: Sequence[Any] | None = None,
+    environments: Sequence[Any] | None = None,
+    prompt_messages: Sequence[list[dict]] | None = None,
 ):
     """Runs the reward set and the strict-correctness check on R completions.
 
@@ -303,6 +334,8 @@ def score(
         sampled: the sampler's host arrays: `tokens` and `mask` [R, T].
         max_failed_steps: `rewards.max_failed_steps` (training), or None.
         max_steps: the run's `steps`, for `trainer_state.max_steps`.
+        episodes / environments / prompt_messages: a tool-calling run's episode records,
+            environment instances and the chats they started from (``reward_inputs``).
 
     Returns:
         (total float32 [R], per_fn name -> float32 [R], weights, correct bool [R] or None).
@@ -310,7 +343,16 @@ def score(
     rows = zip(sampled["tokens"], sampled["mask"], strict=True)
     ids = [t[m.astype(bool)] for t, m in rows]
     inputs = reward_inputs(
-        examples, group_size, prompts, completions, ids, step=step, max_steps=max_steps
+        examples,
+        group_size,
+        prompts,
+        completions,
+        ids,
+        step=step,
+        max_steps=max_steps,
+        episodes=episodes,
+        environments=environments,
+        prompt_messages=prompt_messages,
     )
     total, per_fn, weights = reward_set.score(inputs, max_failed_steps=max_failed_steps)
     total = np.nan_to_num(np.asarray(total, np.float32))

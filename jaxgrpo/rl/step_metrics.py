@@ -16,6 +16,8 @@ Key names (the logger's progress bar and dead-run check read the first group):
     updates, micro_batches      optimizer updates of the step; micro-batches in each
                                 (`Learner.micro_batches`)
     tokens_per_s                generated tokens per second of sampling
+    agent/{tool_calls,turns,truncated_results,failed,failed_frac}, agent/failed/<kind>,
+    agent/{model,tool}_tokens   episodes with tools (`agent_metrics`), per episode
     flops/step_est, flops/tflops_per_s   model FLOPs of the step (2 x params per token forward,
                                 6 x forward+backward; attention ignored) and their rate
 """
@@ -30,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from jaxgrpo import agents
 from jaxgrpo.core.sharding import to_host
 from jaxgrpo.grading import accuracy
 from jaxgrpo.rewards.inputs import RewardInputs, columns_for
@@ -38,6 +41,7 @@ from jaxgrpo.rl.rollout import Rollout
 from jaxgrpo.sampling import StopReason
 
 LENGTH = int(StopReason.LENGTH)
+STOP_TOKEN = int(StopReason.STOP_TOKEN)
 SAMPLE_FIELDS = ("tokens", "mask", "logprobs", "temperatures", "stop_reason", "lengths")
 _UPDATE_RENAMES = {"kl_mean": "kl/mean", "entropy_mean": "entropy"}
 _UPDATE_MINMAX = {"ratio_min": min, "ratio_max": max, "sampler_logp_gap_max": max}
@@ -123,14 +127,38 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
     m["completion/truncated_frac"] = _mean(r.stop_reason == LENGTH)
     for reason in StopReason:
         m[f"completion/stop_{reason.name.lower()}_frac"] = _mean(r.stop_reason == int(reason))
+    if r.episodes is not None:
+        m.update(agent_metrics(r.episodes, r.mask, r.trained_mask))
     if "kl_in_reward" in extra:
         m["kl/in_reward_mean"] = _mean(extra["kl_in_reward"])
     m.update(extra["adv_metrics"])
     m.update(update)
     m.setdefault("kl/mean", 0.0)
     m.update({f"time/{k}": v for k, v in seconds.items()})
-    m["tokens_per_s"] = float(r.lengths.sum()) / max(seconds.get("sampling", 0.0), 1e-9)
+    m["tokens_per_s"] = float(r.trained_mask.sum()) / max(seconds.get("sampling", 0.0), 1e-9)
     return m
+
+
+def agent_metrics(episodes: Sequence[Any], mask: np.ndarray, model_mask: np.ndarray) -> dict:
+    """``agents.metrics`` of the episodes (calls, turns, failures by kind, cut results), and
+    ``agent/model_tokens`` / ``agent/tool_tokens``: ids per episode the model drew and the
+    tools' results took."""
+    m = agents.metrics(episodes)
+    m["agent/model_tokens"] = _mean(model_mask.sum(axis=1))
+    m["agent/tool_tokens"] = _mean((mask - model_mask).sum(axis=1))
+    return m
+
+
+def episode_turns(episode: Any) -> list[dict[str, Any]]:
+    """An episode as JSON-able turns: the model's text, its calls and what each returned."""
+    turns = []
+    for turn in episode.turns:
+        calls = [
+            {"name": c.name, "arguments": c.arguments, "result": res.text, "error": res.error}
+            for c, res in zip(turn.calls, turn.results, strict=True)
+        ]
+        turns.append({"text": turn.text, "calls": calls, "truncated_results": turn.truncated})
+    return turns
 
 
 def flop_metrics(n_params: int, r: Rollout, fwd_passes: int, train_passes: int, seconds: float):
@@ -162,6 +190,9 @@ def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:
         }
         if r.correct is not None:
             row["correct"] = bool(r.correct[i])
+        if r.episodes is not None:
+            row["turns"] = episode_turns(r.episodes[i])
+            row["model_tokens"] = int(r.trained_mask[i].sum())
         out.append(row)
     return out
 

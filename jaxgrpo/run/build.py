@@ -20,6 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from jaxgrpo.agents import Agent, AgentLimits
 from jaxgrpo.core import sharding
 from jaxgrpo.core.host import initialize_distributed
 from jaxgrpo.data import TASKS, get_task
@@ -130,9 +131,30 @@ def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> li
     return out
 
 
-def build_rewards(cfg: config_lib.RewardsConfig, model: Any, tokenizer: Any) -> RewardSet:
-    """The run's ``RewardSet``, model-based rewards bound to the (untrained) ``model``."""
+def build_agent(cfg: config_lib.AgentConfig, tokenizer: Any) -> Agent | None:
+    """The run's ``Agent`` (its tools resolved, their schemas built), or None when the run has
+    neither tools nor an environment."""
+    if not cfg.enabled:
+        return None
+    return Agent.from_names(
+        cfg.tools,
+        cfg.environment,
+        tokenizer,
+        format=cfg.format,
+        limits=AgentLimits(cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout_s),
+        reward_weight=cfg.environment_reward_weight,
+    )
+
+
+def build_rewards(
+    cfg: config_lib.RewardsConfig, model: Any, tokenizer: Any, agent: Agent | None = None
+) -> RewardSet:
+    """The run's ``RewardSet``, model-based rewards bound to the (untrained) ``model``, and the
+    ``agent``'s environment's ``get_reward()`` as one more term, at its weight."""
     specs = bind_model_rewards(cfg.functions, model, tokenizer)
+    env_reward = agent.reward_function() if agent is not None else None
+    if env_reward is not None:
+        specs.append((env_reward, agent.reward_weight))
     return RewardSet(
         specs,
         on_error=cfg.reward_on_error,

@@ -45,6 +45,7 @@ from jaxgrpo.rl.run_log import (
 from jaxgrpo.run import plot
 from jaxgrpo.run.build import (
     MODEL_ALIASES,
+    build_agent,
     build_mesh,
     build_model,
     build_rewards,
@@ -277,8 +278,9 @@ def build_parts(cfg: TrainConfig) -> dict[str, Any]:
     task = build_task(cfg.task)
     task.eval_examples()
     model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
-    rewards = build_rewards(cfg.rewards, model, tokenizer)
-    learner = Learner(cfg, model, tokenizer, task, rewards, mesh)
+    agent = build_agent(cfg.agent, tokenizer)
+    rewards = build_rewards(cfg.rewards, model, tokenizer, agent)
+    learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent)
     return {"learner": learner, "task": task, "mesh": mesh}
 
 

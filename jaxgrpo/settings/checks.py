@@ -16,6 +16,8 @@ from typing import Any
 
 from ml_collections import ConfigDict
 
+from jaxgrpo.agents.formats import FORMATS
+from jaxgrpo.agents.tools import TOOLS
 from jaxgrpo.configs import base
 from jaxgrpo.core import presets
 from jaxgrpo.core.errors import ConfigError, config_require
@@ -208,6 +210,27 @@ def _check_eval(cfg: ConfigDict) -> None:
     _require("completion" in fields, "eval.judge_prompt", msg, e.judge_prompt)
 
 
+def _check_agent(cfg: ConfigDict) -> None:
+    """Names that can be dotted paths and limits that can hold; the names are imported, and
+    each tool's schema built, when the run builds its ``jaxgrpo.agents.Agent``."""
+    a = cfg.agent
+    for i, name in enumerate(a.tools):
+        ok = isinstance(name, str) and (name in TOOLS or "." in name or ":" in name)
+        msg = f"must be a built-in tool {sorted(TOOLS)} or a dotted name ('my_pkg.tools.fn')"
+        _require(ok, f"agent.tools[{i}]", msg, name)
+    env = a.environment
+    ok = env == "" or "." in env or ":" in env
+    _require(ok, "agent.environment", "must be a dotted name ('my_pkg.envs.Game') or ''", env)
+    _one_of(cfg, "agent.format", ("auto", *FORMATS))
+    _require(a.max_turns >= 1, "agent.max_turns", "must be >= 1", a.max_turns)
+    _require(a.max_tool_tokens >= 1, "agent.max_tool_tokens", "must be >= 1", a.max_tool_tokens)
+    timeout = a.tool_timeout_s
+    _require(timeout > 0 and math.isfinite(timeout), "agent.tool_timeout_s", "must be > 0", timeout)
+    w = a.environment_reward_weight
+    ok = math.isfinite(w) and w >= 0
+    _require(ok, "agent.environment_reward_weight", "must be >= 0 (0 = not used)", w)
+
+
 def _check_source(source: str) -> None:
     """``random:<name>`` must name a known architecture (other sources are checked on load)."""
     if source.startswith(presets.RANDOM_PREFIX):
@@ -279,3 +302,4 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     samples = cfg.logging.samples_every
     _require(samples >= 0, "logging.samples_every", "must be >= 0", samples)
     _check_eval(cfg)
+    _check_agent(cfg)

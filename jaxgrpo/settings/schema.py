@@ -201,6 +201,25 @@ class EvalConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class AgentConfig:
+    """Tools and environments (see configs/base.py): episodes of several turns when ``tools``
+    or ``environment`` is set."""
+
+    tools: tuple[str, ...]
+    environment: str
+    environment_reward_weight: float
+    max_turns: int
+    max_tool_tokens: int
+    tool_timeout_s: float
+    format: str
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rollouts are episodes with tools (else single completions)."""
+        return bool(self.tools or self.environment)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run, frozen. ``to_dict()`` is the JSON snapshot stored with checkpoints."""
 
@@ -218,6 +237,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     eval: EvalConfig
+    agent: AgentConfig
 
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
@@ -426,6 +446,12 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
         checkpoint=CheckpointConfig(**d["checkpoint"]),
         logging=LoggingConfig(**d["logging"]),
         eval=EvalConfig(**d["eval"]),
+        agent=AgentConfig(
+            **d["agent"]
+            | _tuple(d["agent"], "tools")
+            | {"tool_timeout_s": float(d["agent"]["tool_timeout_s"])}
+            | {"environment_reward_weight": float(d["agent"]["environment_reward_weight"])}
+        ),
     )
 
 
