@@ -106,3 +106,24 @@ def test_read_metrics_merges_steps_and_names_missing_dir(tmp_path, capsys):
     assert plot.main([str(tmp_path / "nope")]) == 2
     assert capsys.readouterr().err.startswith("error: "), "one line, no traceback"
     assert list(plot.read_runs([str(tmp_path / "a")] * 2)) == ["a", "a-2"], "labels are unique"
+
+
+def test_a_run_with_tools_gets_a_tool_use_panel(tmp_path):
+    run = tmp_path / "agent"
+    run.mkdir()
+    rows = [
+        {"step": s, "reward/mean": 0.1 * s, "agent/tool_calls": 0.5 + 0.1 * s, "agent/turns": 1.4}
+        | {"agent/failed": 0.05}
+        for s in range(1, 6)
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = plot.read_runs([str(run)])
+    assert list(plot.dashboard_panels(runs))[-1] == "tool use"
+    fig = plot.dashboard_figure(runs)
+    ax = next(ax for ax in fig.axes if ax.get_title() == "tool use")
+    lines = [line for line in ax.get_lines() if len(line.get_xdata())]
+    assert len(lines) == 3 and lines[0].get_ydata()[-1] == pytest.approx(1.0)
+    assert "tool use" not in plot.dashboard_panels(plot.read_runs([_learning_run(tmp_path, 3)]))
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)

@@ -131,14 +131,26 @@ def reward_functions(runs: dict[str, dict[int, dict]]) -> list[str]:
     return list(names)
 
 
+# Drawn when a run used tools (it logged ``agent/*``): per episode, means over the step.
+TOOL_USE = (
+    Curve(("agent/tool_calls",), "calls", "-"),
+    Curve(("agent/turns",), "turns", "--"),
+    Curve(("agent/failed",), "failed calls", ":"),
+)
+
+
 def dashboard_panels(runs: dict[str, dict[int, dict]]) -> dict[str, tuple[Curve, ...]]:
-    """``DASHBOARD`` with the reward panel's curves: one per logged reward function."""
+    """``DASHBOARD`` with the reward panel's curves (one per logged reward function), and a
+    "tool use" panel for runs with tools."""
     functions = reward_functions(runs)
     rewards = tuple(
         Curve((f"reward/{fn}/mean",), fn, _FN_STYLES[i % len(_FN_STYLES)])
         for i, fn in enumerate(functions)
     )
-    return {**DASHBOARD, "reward per function": rewards or (Curve(("reward/mean",)),)}
+    panels = {**DASHBOARD, "reward per function": rewards or (Curve(("reward/mean",)),)}
+    if any("agent/tool_calls" in row for rows in runs.values() for row in rows.values()):
+        panels["tool use"] = TOOL_USE
+    return panels
 
 
 def _pyplot():
