@@ -123,7 +123,9 @@ def test_a_run_with_tools_gets_a_tool_use_panel(tmp_path):
     ax = next(ax for ax in fig.axes if ax.get_title() == "tool use")
     lines = [line for line in ax.get_lines() if len(line.get_xdata())]
     assert len(lines) == 3 and lines[0].get_ydata()[-1] == pytest.approx(1.0)
-    assert "tool use" not in plot.dashboard_panels(plot.read_runs([_learning_run(tmp_path, 3)]))
+    assert "tool use" not in plot.dashboard_panels(
+        plot.read_runs([_learning_run(tmp_path / "plain", 3, rate=0.2)])
+    )
     import matplotlib.pyplot as plt
 
     plt.close(fig)
