@@ -229,3 +229,19 @@ def test_smollm2_on_gsm8k_fixture(tmp_path):
     # A real instruct model writes words, not byte soup.
     assert sum(t.count(" ") for t in texts) >= 8, texts
     assert task["summary"]["lenient_accuracy"] >= task["summary"]["strict_accuracy"]
+
+
+def test_a_run_with_tools_is_evaluated_on_episodes(tiny_run, tmp_path):
+    """With the run's ``agent`` section, ``python -m jaxgrpo.evaluate`` samples episodes with
+    the same tools and limits: each record carries its turns, the summary the agent metrics."""
+    run_dir, _, _ = tiny_run
+    out = tmp_path / "eval.json"
+    argv = ["--checkpoint", run_dir, "--num_samples", "2", "--max_examples", "2"]
+    argv += ["--max_new_tokens", "8", "--batch_size", "2", "--out", str(out)]
+    argv += ["--config.agent.tools=('calc',)", "--config.agent.format=tag"]
+    assert cli.main(argv) == 0
+    (task,) = json.loads(out.read_text())["runs"][os.path.basename(run_dir)]["tasks"].values()
+    assert len(task["records"]) == 4
+    assert all(r["turns"] and "text" in r["turns"][0] for r in task["records"])
+    for key in ("agent/tool_calls", "agent/turns", "agent/model_tokens", "agent/tool_tokens"):
+        assert key in task["summary"], key

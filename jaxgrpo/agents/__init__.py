@@ -39,7 +39,7 @@ from __future__ import annotations
 
 from jaxgrpo.agents.agent import Agent
 from jaxgrpo.agents.calculator import calc
-from jaxgrpo.agents.episode import Episode, Turn, metrics, with_observation
+from jaxgrpo.agents.episode import Episode, Turn, metrics, turn_records, with_observation
 from jaxgrpo.agents.formats import (
     FORMATS,
     JsonFormat,
@@ -93,5 +93,6 @@ __all__ = [
     "reset_environment",
     "run_episodes",
     "tool_schema",
+    "turn_records",
     "with_observation",
 ]

@@ -115,6 +115,19 @@ def with_observation(prompt_messages: Sequence[Mapping], text: str | None) -> li
     return messages
 
 
+def turn_records(episode: Episode) -> list[dict]:
+    """An episode as JSON-able turns (``samples.jsonl``, evaluation records): the model's text,
+    its calls and what each returned."""
+    turns = []
+    for turn in episode.turns:
+        calls = [
+            {"name": c.name, "arguments": c.arguments, "result": res.text, "error": res.error}
+            for c, res in zip(turn.calls, turn.results, strict=True)
+        ]
+        turns.append({"text": turn.text, "calls": calls, "truncated_results": turn.truncated})
+    return turns
+
+
 def metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """The step's agent metrics, means over ``episodes``.
 

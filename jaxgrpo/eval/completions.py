@@ -1,17 +1,23 @@
 """Completions of many prompts in fixed-shape batches over the mesh: the one generation loop of
-evaluation, for a model (``sample``) and for the learner's split state (``held_out``)."""
+evaluation, for a model (``sample``) and for the learner's split state (``held_out``); with an
+agent's tools, episodes of several turns (``complete_episodes``) over the same sampler
+(``mesh_sampler``), which the learner's rollouts use too."""
 
 from __future__ import annotations
 
 import dataclasses
+import types
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxgrpo.core import sharding
 from jaxgrpo.sampling import SamplerSettings, StopReason, generate_from_state
+
+SAMPLE_FIELDS = ("tokens", "mask", "logprobs", "temperatures", "stop_reason", "lengths")
 
 if TYPE_CHECKING:  # the config's type only: settings lie above the evaluation loop
     from jaxgrpo.settings.schema import EvalConfig
@@ -101,18 +107,12 @@ def complete(
         chunk = messages[start : start + batch_size]
         padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
         ids, mask = tokenizer.encode_chat(padded)
-        res = generate_from_state(
-            graphdef,
-            states,
-            model_cfg,
-            sharding.put_batch(ids, mesh),
-            sharding.put_batch(mask, mesh),
-            settings,
-            rng=jax.random.fold_in(key, i),
+        sample = mesh_sampler(
+            graphdef, states, model_cfg, mesh, settings, jax.random.fold_in(key, i)
         )
+        res = sample(ids, mask, settings.num_samples, settings.max_lengths, 0)
         keep = len(chunk) * settings.num_samples
-        tokens, tmask = sharding.to_host(res.tokens)[:keep], sharding.to_host(res.mask)[:keep]
-        stop = sharding.to_host(res.stop_reason)[:keep]
+        tokens, tmask, stop = res["tokens"][:keep], res["mask"][:keep], res["stop_reason"][:keep]
         out["texts"] += tokenizer.batch_decode(tokens, tmask)
         out["lengths"] += tmask.sum(-1).tolist()
         out["truncated"] += (stop == int(StopReason.LENGTH)).tolist()
@@ -140,6 +140,141 @@ def sample(
         messages,
         mesh,
         settings.sampler(tokenizer, greedy=greedy),
+        batch_size=settings.batch_size,
+        seed=settings.seed,
+        progress=progress,
+    )
+
+
+def mesh_sampler(
+    graphdef: Any, states: Sequence[Any], model_cfg: Any, mesh: Any, settings: SamplerSettings, key
+) -> Callable[..., dict[str, np.ndarray]]:
+    """``sample(ids [N, P], mask, num_samples, max_lengths, turn)`` -> host arrays of
+    ``SAMPLE_FIELDS`` [N * num_samples, T]: ``settings`` with the call's samples per prompt and
+    per-row lengths, on the mesh, turn k drawing with ``fold_in(key, k)`` (turn 0 with ``key``).
+    Rows are padded to split over the mesh's batch shards (an episode's later turns sample only
+    the rows that called a tool); the padding's samples are dropped."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+
+    def sample(ids, mask, num_samples, max_lengths, turn):
+        n = ids.shape[0]
+        extra = -n % shards
+        if extra:
+            ids = np.concatenate([ids, np.repeat(ids[:1], extra, axis=0)])
+            mask = np.concatenate([mask, np.repeat(mask[:1], extra, axis=0)])
+            if max_lengths is not None:
+                max_lengths = np.concatenate([max_lengths, np.ones(extra, np.int32)])
+        out = generate_from_state(
+            graphdef,
+            states,
+            model_cfg,
+            sharding.put_batch(ids, mesh),
+            sharding.put_batch(mask, mesh),
+            dataclasses.replace(settings, num_samples=num_samples, max_lengths=max_lengths),
+            rng=key if turn == 0 else jax.random.fold_in(key, turn),
+        )
+        rows = n * num_samples
+        return {k: sharding.to_host(getattr(out, k))[:rows] for k in SAMPLE_FIELDS}
+
+    return sample
+
+
+def episode_arrays(agent: Any, sample: Callable, toolboxes, ids, mask, group: int, t: int):
+    """(host arrays as ``mesh_sampler``'s plus ``model_mask``, the episode records) of the
+    ``agent``'s episodes from prompts [B, P], ``group`` per prompt, ``t`` tokens each."""
+    b = agent.run(
+        lambda *args: types.SimpleNamespace(**sample(*args)),
+        toolboxes,
+        ids,
+        mask,
+        group=group,
+        max_new_tokens=t,
+    )
+    stop = np.where(b.truncated, int(StopReason.LENGTH), int(StopReason.STOP_TOKEN))
+    host = {
+        "tokens": b.tokens,
+        "mask": b.mask,
+        "model_mask": b.model_mask,
+        "logprobs": b.logprobs,
+        "temperatures": b.temperatures,
+        "stop_reason": stop.astype(np.int32),
+        "lengths": b.lengths,
+    }
+    return host, b.episodes
+
+
+def complete_episodes(
+    graphdef: Any,
+    states: Sequence[Any],
+    model_cfg: Any,
+    agent: Any,
+    examples: Sequence[dict],
+    mesh: Any,
+    settings: SamplerSettings,
+    *,
+    batch_size: int,
+    seed: int = 0,
+    progress: Callable[[int], None] | None = None,
+) -> dict[str, list]:
+    """``complete`` for a run with tools: ``settings.num_samples`` episodes per example with the
+    ``agent``'s tools, environments and limits, ``batch_size`` examples per batch (the last
+    padded with its final example, so every batch has one shape).
+
+    Returns:
+      ``complete``'s lists, grouped by example, and ``model_tokens`` (ids the model drew per
+      episode, the rest being tool results), ``episodes`` (``jaxgrpo.agents.Episode``),
+      ``environments`` (None without an environment), ``chats`` (per example: the prompt the
+      episodes started from) and ``model_mask`` (per episode, over its ids).
+    """
+    g = settings.num_samples
+    out: dict[str, list] = {
+        k: []
+        for k in ("texts", "lengths", "truncated", "tokens", "model_tokens", "episodes", "chats")
+    }
+    out["model_mask"], environments = [], []
+    key = jax.random.key(seed)
+    for i, start in enumerate(range(0, len(examples), batch_size)):
+        chunk = list(examples[start : start + batch_size])
+        padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+        chats, toolboxes = agent.start(padded, g)
+        ids, mask = agent.tokenizer.encode_chat(chats)
+        sample = mesh_sampler(
+            graphdef, states, model_cfg, mesh, settings, jax.random.fold_in(key, i)
+        )
+        host, episodes = episode_arrays(
+            agent, sample, toolboxes, ids, mask, g, settings.max_new_tokens
+        )
+        keep = len(chunk) * g
+        tokens, tmask = host["tokens"][:keep], host["mask"][:keep]
+        out["texts"] += agent.tokenizer.batch_decode(tokens, tmask)
+        out["lengths"] += tmask.sum(-1).tolist()
+        out["truncated"] += (host["stop_reason"][:keep] == int(StopReason.LENGTH)).tolist()
+        out["tokens"] += [t[m > 0].tolist() for t, m in zip(tokens, tmask, strict=True)]
+        model_mask = host["model_mask"][:keep]
+        out["model_mask"] += [mm[m > 0].tolist() for mm, m in zip(model_mask, tmask, strict=True)]
+        out["model_tokens"] += model_mask.sum(-1).tolist()
+        out["episodes"] += episodes[:keep]
+        out["chats"] += chats[: len(chunk)]
+        environments += [box.environment for box in toolboxes[:keep]]
+        if progress is not None:
+            progress(len(chunk))
+    out["environments"] = environments if agent.environment is not None else None
+    return out
+
+
+def sample_episodes(
+    model, agent, examples: Sequence[dict], settings: Settings, mesh, *, progress=None
+) -> dict:
+    """``complete_episodes`` for a model with ``settings``' knobs."""
+    graphdef, state = nnx.split(model)
+    return complete_episodes(
+        graphdef,
+        (state,),
+        model.cfg,
+        agent,
+        examples,
+        mesh,
+        settings.sampler(agent.tokenizer),
         batch_size=settings.batch_size,
         seed=settings.seed,
         progress=progress,

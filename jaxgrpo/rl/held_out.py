@@ -4,15 +4,11 @@ episodes run as in training."""
 
 from __future__ import annotations
 
-import types
 from collections.abc import Sequence
 from typing import Any
 
-import jax
-import numpy as np
-
 from jaxgrpo.core.sharding import to_host
-from jaxgrpo.eval.completions import complete
+from jaxgrpo.eval.completions import complete, complete_episodes
 from jaxgrpo.rewards.inputs import reward_inputs
 from jaxgrpo.rl import step_metrics
 from jaxgrpo.sampling import SamplerSettings
@@ -76,50 +72,29 @@ def evaluate_episodes(learner: Any, state: Any, examples: Sequence[dict]) -> dic
     """``evaluate`` for a run with tools: one greedy episode per example, with the run's tools,
     environment and limits, scored as in training (the environments' rewards included); the
     accuracy and reward metrics plus ``step_metrics.agent_metrics``."""
-    agent, tok = learner.agent, learner.tokenizer
-    rows = learner.rl.prompts_per_step * learner.rl.group_size
-    sample = learner.turn_sampler(state, sampler_settings(learner), jax.random.key(0))
-    chats, boxes, batches = [], [], []
-    for start in range(0, len(examples), rows):
-        part = examples[start : start + rows]
-        padded = part + part[:1] * (rows - len(part))  # one program shape for every batch
-        messages, toolboxes = agent.start(padded, 1)
-        ids, mask = tok.encode_chat(messages)
-        batch = agent.run(
-            lambda *args: types.SimpleNamespace(**sample(*args)),
-            toolboxes,
-            ids,
-            mask,
-            group=1,
-            max_new_tokens=learner.cfg.sampling.max_new_tokens,
-        )
-        chats += messages[: len(part)]
-        boxes += toolboxes[: len(part)]
-        batches.append({k: v[: len(part)] for k, v in _arrays(batch).items()})
-        batches[-1]["episodes"] = batch.episodes[: len(part)]
-    arrays = {k: np.concatenate([b[k] for b in batches]) for k in ("tokens", "mask", "model_mask")}
-    truncated = np.concatenate([b["truncated"] for b in batches])
-    episodes = [e for b in batches for e in b["episodes"]]
-    texts = tok.batch_decode(arrays["tokens"], arrays["mask"])
-    ids = [t[m != 0] for t, m in zip(arrays["tokens"], arrays["mask"], strict=True)]
-    environments = [b.environment for b in boxes] if agent.environment is not None else None
+    p, tok = learner.programs, learner.tokenizer
+    out = complete_episodes(
+        p.graphdef,
+        (state.params, p.frozen),
+        p.model_cfg,
+        learner.agent,
+        examples,
+        learner.mesh,
+        sampler_settings(learner),
+        batch_size=learner.rl.prompts_per_step * learner.rl.group_size,
+    )
     inputs = reward_inputs(
         examples,
         1,
-        [tok.apply_chat_template(m) for m in chats],
-        texts,
-        ids,
+        [tok.apply_chat_template(m) for m in out["chats"]],
+        out["texts"],
+        out["tokens"],
         step=int(to_host(state.step)),
         max_steps=learner.cfg.steps,
-        episodes=episodes,
-        environments=environments,
-        prompt_messages=chats,
+        episodes=out["episodes"],
+        environments=out["environments"],
+        prompt_messages=out["chats"],
     )
-    m = step_metrics.eval_metrics(learner.reward_set, inputs, truncated)
-    m.update(step_metrics.agent_metrics(episodes, arrays["mask"], arrays["model_mask"]))
+    m = step_metrics.eval_metrics(learner.reward_set, inputs, out["truncated"])
+    m.update(step_metrics.agent_metrics(out["episodes"], out["lengths"], out["model_tokens"]))
     return m
-
-
-def _arrays(batch: Any) -> dict[str, np.ndarray]:
-    fields = ("tokens", "mask", "model_mask", "truncated")
-    return {k: np.asarray(getattr(batch, k)) for k in fields}

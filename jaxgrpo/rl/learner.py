@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ import numpy as np
 
 from jaxgrpo.core import sharding
 from jaxgrpo.core.host import release_freed_memory
+from jaxgrpo.eval.completions import episode_arrays, mesh_sampler
 from jaxgrpo.models import packing as packing_lib
 from jaxgrpo.rl import held_out, step_metrics
 from jaxgrpo.rl import rollout as ro
@@ -33,7 +33,7 @@ from jaxgrpo.rl.programs import StepPrograms
 from jaxgrpo.rl.train_state import (
     TrainState,
 )
-from jaxgrpo.sampling import SamplerSettings, generate_from_state, schedules
+from jaxgrpo.sampling import SamplerSettings, schedules
 
 Draw = Callable[[int], Sequence[dict]]
 
@@ -173,7 +173,8 @@ class Learner:
             if toolboxes is None:
                 host = sample(ids, mask, g, None, 0)
             else:
-                host, episodes = self._episodes(sample, toolboxes, ids, mask)
+                t = self.cfg.sampling.max_new_tokens
+                host, episodes = episode_arrays(self.agent, sample, toolboxes, ids, mask, g, t)
             timer.add_tokens(int(host.get("model_mask", host["mask"]).sum()))
         with timer("rewards"):
             completions = tok.batch_decode(host["tokens"], host["mask"])
@@ -215,56 +216,12 @@ class Learner:
         )
 
     def turn_sampler(self, state: TrainState, settings: SamplerSettings, key) -> Callable:
-        """``sample(ids [N, P], mask, num_samples, max_lengths, turn)`` -> the host arrays of
-        ``step_metrics.SAMPLE_FIELDS`` [N * num_samples, T]: the policy's sampler on the mesh,
-        each turn with its own key. Rows are padded to split over the mesh's batch shards (an
-        episode's later turns sample only the rows that called a tool)."""
-        shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
-
-        def sample(ids, mask, num_samples, max_lengths, turn):
-            n = ids.shape[0]
-            extra = -n % shards
-            if extra:
-                ids = np.concatenate([ids, np.repeat(ids[:1], extra, axis=0)])
-                mask = np.concatenate([mask, np.repeat(mask[:1], extra, axis=0)])
-                if max_lengths is not None:
-                    max_lengths = np.concatenate([max_lengths, np.ones(extra, np.int32)])
-            out = generate_from_state(
-                self.programs.graphdef,
-                (state.params, self.programs.frozen),
-                self.programs.model_cfg,
-                sharding.put_batch(ids, self.mesh),
-                sharding.put_batch(mask, self.mesh),
-                dataclasses.replace(settings, num_samples=num_samples, max_lengths=max_lengths),
-                rng=key if turn == 0 else jax.random.fold_in(key, turn),
-            )
-            rows = n * num_samples
-            return {k: sharding.to_host(getattr(out, k))[:rows] for k in step_metrics.SAMPLE_FIELDS}
-
-        return sample
-
-    def _episodes(self, sample, toolboxes, ids, mask) -> tuple[dict, list]:
-        """The agent's episodes from prompts [B, P]: host arrays as ``turn_sampler``'s, plus
-        ``model_mask``; and the episode records."""
-        b = self.agent.run(
-            lambda *args: types.SimpleNamespace(**sample(*args)),
-            toolboxes,
-            ids,
-            mask,
-            group=self.rl.group_size,
-            max_new_tokens=self.cfg.sampling.max_new_tokens,
+        """The policy's sampler on the mesh for one step's rollouts (``mesh_sampler``): one
+        call per turn of an episode, or the single call of a step without tools."""
+        p = self.programs
+        return mesh_sampler(
+            p.graphdef, (state.params, p.frozen), p.model_cfg, self.mesh, settings, key
         )
-        stop = np.where(b.truncated, step_metrics.LENGTH, step_metrics.STOP_TOKEN)
-        host = {
-            "tokens": b.tokens,
-            "mask": b.mask,
-            "model_mask": b.model_mask,
-            "logprobs": b.logprobs,
-            "temperatures": b.temperatures,
-            "stop_reason": stop.astype(np.int32),
-            "lengths": b.lengths,
-        }
-        return host, b.episodes
 
     def collect(self, state, examples, key, step, draw, timer) -> tuple[ro.Rollout, int]:
         """Sampling rounds; with dynamic sampling, refills zero-variance groups from `draw`."""

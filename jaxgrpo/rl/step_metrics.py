@@ -41,8 +41,6 @@ from jaxgrpo.rl.rollout import Rollout
 from jaxgrpo.sampling import StopReason
 
 LENGTH = int(StopReason.LENGTH)
-STOP_TOKEN = int(StopReason.STOP_TOKEN)
-SAMPLE_FIELDS = ("tokens", "mask", "logprobs", "temperatures", "stop_reason", "lengths")
 _UPDATE_RENAMES = {"kl_mean": "kl/mean", "entropy_mean": "entropy"}
 _UPDATE_MINMAX = {"ratio_min": min, "ratio_max": max, "sampler_logp_gap_max": max}
 
@@ -128,7 +126,7 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
     for reason in StopReason:
         m[f"completion/stop_{reason.name.lower()}_frac"] = _mean(r.stop_reason == int(reason))
     if r.episodes is not None:
-        m.update(agent_metrics(r.episodes, r.mask, r.trained_mask))
+        m.update(agent_metrics(r.episodes, r.mask.sum(axis=1), r.trained_mask.sum(axis=1)))
     if "kl_in_reward" in extra:
         m["kl/in_reward_mean"] = _mean(extra["kl_in_reward"])
     m.update(extra["adv_metrics"])
@@ -139,26 +137,15 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
     return m
 
 
-def agent_metrics(episodes: Sequence[Any], mask: np.ndarray, model_mask: np.ndarray) -> dict:
+def agent_metrics(episodes: Sequence[Any], lengths, model_tokens) -> dict:
     """``agents.metrics`` of the episodes (calls, turns, failures by kind, cut results), and
     ``agent/model_tokens`` / ``agent/tool_tokens``: ids per episode the model drew and the
-    tools' results took."""
+    tools' results took (``lengths``: ids per episode; ``model_tokens``: the model's)."""
     m = agents.metrics(episodes)
-    m["agent/model_tokens"] = _mean(model_mask.sum(axis=1))
-    m["agent/tool_tokens"] = _mean((mask - model_mask).sum(axis=1))
+    lengths, model_tokens = np.asarray(lengths), np.asarray(model_tokens)
+    m["agent/model_tokens"] = _mean(model_tokens)
+    m["agent/tool_tokens"] = _mean(lengths - model_tokens)
     return m
-
-
-def episode_turns(episode: Any) -> list[dict[str, Any]]:
-    """An episode as JSON-able turns: the model's text, its calls and what each returned."""
-    turns = []
-    for turn in episode.turns:
-        calls = [
-            {"name": c.name, "arguments": c.arguments, "result": res.text, "error": res.error}
-            for c, res in zip(turn.calls, turn.results, strict=True)
-        ]
-        turns.append({"text": turn.text, "calls": calls, "truncated_results": turn.truncated})
-    return turns
 
 
 def flop_metrics(n_params: int, r: Rollout, fwd_passes: int, train_passes: int, seconds: float):
@@ -191,7 +178,7 @@ def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:
         if r.correct is not None:
             row["correct"] = bool(r.correct[i])
         if r.episodes is not None:
-            row["turns"] = episode_turns(r.episodes[i])
+            row["turns"] = agents.turn_records(r.episodes[i])
             row["model_tokens"] = int(r.trained_mask[i].sum())
         out.append(row)
     return out

@@ -48,14 +48,17 @@ import jax
 from etils import epath
 from tqdm.auto import tqdm
 
+from jaxgrpo.agents.episode import turn_records
 from jaxgrpo.core.errors import UserError
 from jaxgrpo.core.host import prepare_cli
 from jaxgrpo.data import TASKS
 from jaxgrpo.data.base import RowTask
 from jaxgrpo.eval import metrics
-from jaxgrpo.eval.completions import Settings, sample
+from jaxgrpo.eval.completions import Settings, sample, sample_episodes
 from jaxgrpo.rewards.inputs import reward_inputs
+from jaxgrpo.rl.step_metrics import agent_metrics
 from jaxgrpo.run.build import (
+    build_agent,
     build_mesh,
     build_rewards,
     build_task,
@@ -108,13 +111,16 @@ def evaluate_examples(
     *,
     step=0,
     max_steps=0,
+    agent=None,
 ) -> tuple:
     """(summary, records) of one model on one task's examples.
 
     With ``reward_set`` every completion is also scored by the run's reward functions, called
     as in training (``jaxgrpo.rewards.reward_inputs``; ``trainer_state.global_step`` is
     ``step``, the checkpoint's): each record gets ``reward`` and ``rewards`` (None where a
-    function could not score), the summary ``reward_mean`` and ``reward/<fn>/mean``.
+    function could not score), the summary ``reward_mean`` and ``reward/<fn>/mean``. With an
+    ``agent`` (a run with tools) each completion is an episode run as in training (its tools,
+    environment and limits): each record gets its ``turns``, the summary ``agent/*``.
     """
     messages = [ex["messages"] for ex in examples]
     with tqdm(
@@ -124,7 +130,10 @@ def evaluate_examples(
         file=sys.stderr,
         disable=jax.process_index() != 0,
     ) as bar:
-        out = sample(model, tokenizer, messages, settings, mesh, progress=bar.update)
+        if agent is None:
+            out = sample(model, tokenizer, messages, settings, mesh, progress=bar.update)
+        else:
+            out = sample_episodes(model, agent, examples, settings, mesh, progress=bar.update)
     records = metrics.score_samples(
         out["texts"],
         [ex.get("answer") for ex in examples],
@@ -138,11 +147,26 @@ def evaluate_examples(
         for record, verdict in zip(records, judge_fn(examples, out["texts"]), strict=True):
             record["judge"] = bool(verdict)
     summary = metrics.summarize(records, settings.num_samples)
+    g = settings.num_samples
+    chats = messages if agent is None else out["chats"]
+    if agent is not None:
+        for record, episode in zip(records, out["episodes"], strict=True):
+            record["turns"] = turn_records(episode)
+        lengths, model_tokens = out["lengths"], out["model_tokens"]
+        summary.update(agent_metrics(out["episodes"], lengths, model_tokens))
     if reward_set is not None:
-        g = settings.num_samples
-        prompts = [tokenizer.apply_chat_template(m) for m in messages for _ in range(g)]
+        prompts = [tokenizer.apply_chat_template(m) for m in chats for _ in range(g)]
         inputs = reward_inputs(
-            examples, g, prompts, out["texts"], out["tokens"], step=step, max_steps=max_steps
+            examples,
+            g,
+            prompts,
+            out["texts"],
+            out["tokens"],
+            step=step,
+            max_steps=max_steps,
+            episodes=out.get("episodes"),
+            environments=out.get("environments"),
+            prompt_messages=None if agent is None else [m for m in chats for _ in range(g)],
         )
         summary.update(metrics.add_rewards(records, *reward_set.score(inputs)[:2]))
     return summary, records
@@ -171,7 +195,7 @@ def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:
     models: dict = {}
     for run_dir, label in runs:
         cfg = config_lib.run_config(args.config, run_dir, overrides) if run_dir else cfg0
-        model, tokenizer, reward_set, step = load_scored_policy(
+        model, tokenizer, reward_set, step, agent = load_scored_policy(
             cfg, run_dir, mesh, args.model, models
         )
         entry: dict[str, Any] = {"checkpoint": run_dir, "step": step, "tasks": {}}
@@ -189,6 +213,7 @@ def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:
                 scorer,
                 step=step,
                 max_steps=cfg.steps,
+                agent=agent,
             )
             entry["tasks"][task_name] = {"summary": summary, "records": records}
         results[_unique(label, results)] = entry
@@ -196,12 +221,14 @@ def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:
 
 
 def load_scored_policy(cfg: Any, run_dir: str | None, mesh, model_source=None, cache=None):
-    """(model, tokenizer, reward set, step): ``build.load_policy``'s trained policy and the
-    run's reward functions, model-based ones bound to the untrained model as in training."""
+    """(model, tokenizer, reward set, step, agent): ``build.load_policy``'s trained policy, the
+    run's reward functions (model-based ones bound to the untrained model) and its ``Agent``
+    (None without tools), as in training."""
     model, tokenizer, _ = load_policy(cfg, None, mesh, model_source, cache=cache)
-    reward_set = build_rewards(cfg.rewards, model, tokenizer)
+    agent = build_agent(cfg.agent, tokenizer)
+    reward_set = build_rewards(cfg.rewards, model, tokenizer, agent)
     step = restore_params(cfg, model, tokenizer, run_dir, mesh) if run_dir else 0
-    return model, tokenizer, reward_set, step
+    return model, tokenizer, reward_set, step, agent
 
 
 def _unique(label: str, taken: dict) -> str:

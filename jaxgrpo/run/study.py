@@ -278,7 +278,7 @@ class Evaluator:
         if cached.get("settings") == protocol and cached.get("step") == step:
             return {**cached["study"], "file": path}
         t0 = time.perf_counter()
-        model, tokenizer, reward_set, step = cli.load_scored_policy(
+        model, tokenizer, reward_set, step, agent = cli.load_scored_policy(
             cfg, run_dir, self.mesh, cache=self.models
         )
         task_name, examples = cli.task_examples(cfg, None, None, self.settings)
@@ -291,6 +291,7 @@ class Evaluator:
             reward_set=reward_set,
             step=step,
             max_steps=cfg.steps,
+            agent=agent,
         )
         result = {
             "task": task_name,
