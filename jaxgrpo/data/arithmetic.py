@@ -33,6 +33,12 @@ _EXAMPLE = (
     "pens now.",
     "17",
 )
+# The worked example's answer when the run has the calculator tool (``agents.calc``, the tag
+# format: the call, then its result, in the same turn).
+_WORKED_CALC = (
+    "Mia has 4 bags of 3 pens and gets 5 more: <calc>4*3+5</calc><result>17</result> Mia has 17 "
+    "pens now."
+)
 _ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "coins", "shells", "cookies")
 
 
@@ -103,6 +109,9 @@ class ArithmeticTask:
         previous user/assistant turn, on train and held-out prompts alike. A small model does not
         write ``<answer>`` tags from the instruction alone (SmolLM2-135M: 0% format), so without
         it the hard reward has no signal to start from.
+      worked_calc: the worked example computes with the calculator tool (``<calc>4*3+5</calc>``
+        answered by ``<result>17</result>``), for runs with ``agent.tools = ("calc",)`` in the
+        tag format; otherwise it reasons in words.
     """
 
     num_train: int = 2048
@@ -112,6 +121,7 @@ class ArithmeticTask:
     template: str = "answer_tag"
     system_prompt: str | None = None
     worked_example: bool = False
+    worked_calc: bool = False
 
     name: ClassVar[str] = "arithmetic"
     columns: ClassVar[tuple[str, ...]] = ("answer", "reference")
@@ -131,10 +141,8 @@ class ArithmeticTask:
         )
         if self.worked_example:
             shown = build_messages(_EXAMPLE[0], template=self.template)[-1]
-            solved = {
-                "role": "assistant",
-                "content": f"{_EXAMPLE[1]} <answer>{_EXAMPLE[2]}</answer>",
-            }
+            worked = _WORKED_CALC if self.worked_calc else _EXAMPLE[1]
+            solved = {"role": "assistant", "content": f"{worked} <answer>{_EXAMPLE[2]}</answer>"}
             messages = messages[:-1] + [shown, solved] + messages[-1:]
         return {"messages": messages, "answer": answer, "reference": reasoning}
 

@@ -15,6 +15,7 @@ and figures), as well as the untrained base model once. It then writes
   KL, entropy and length (``jaxgrpo.run.plot``).
 
 An arm may not set ``run_dir`` (the study owns it) or ``eval.*`` (one protocol for all arms).
+An arm with ``steps`` 0 is the untrained model under its overrides (with tools, say).
 An override's value may be a function of the base ``ConfigDict`` (e.g. a curriculum that ends
 at half of ``steps``), so an arm keeps its meaning when ``--base`` points the study at another
 config, such as ``gsm8k_hard`` on a TPU slice. On a multi-host slice every process runs this
@@ -422,10 +423,13 @@ def run_study(
         cfg = configs[arm.label]
         say(f"arm {i}/{len(arms)} {arm.label}: training {cfg.steps} steps in {cfg.run_dir} ...")
         trained = train_arm(cfg)
-        if trained["skipped"]:
+        if not cfg.steps:
+            say(f"arm {arm.label}: steps 0, evaluated untrained")
+        elif trained["skipped"]:
             say(f"arm {arm.label}: already trained ({trained['step']} steps), skipped")
         say(f"arm {arm.label}: evaluating ...")
-        result = evaluator(arm.label, cfg, cfg.run_dir, cfg.run_dir)
+        trained_dir = cfg.run_dir if cfg.steps else None  # steps 0: the untrained model
+        result = evaluator(arm.label, cfg, trained_dir, cfg.run_dir)
         rows[arm.label] = {**result, **trained, "run_dir": cfg.run_dir}
         s = result["summary"]
         say(f"arm {arm.label}: strict {100 * s['strict_accuracy']:.1f}% [{result['file']}]")
@@ -445,9 +449,8 @@ def run_study(
         table = results_markdown(study, rows, protocol)
         with open(os.path.join(out, "results.md"), "w", encoding="utf-8") as f:
             f.write(table)
-        plots = write_plots(
-            {a.label: configs[a.label].run_dir for a in arms}, os.path.join(out, "plots")
-        )
+        trained = {a.label: configs[a.label].run_dir for a in arms if configs[a.label].steps}
+        plots = write_plots(trained, os.path.join(out, "plots"))
         say(table)
         say(
             f"wrote {os.path.join(out, 'results.md')}, results.json and {len(plots)} plots in "

@@ -1,11 +1,11 @@
-"""The course's question on format_copy: GRPO vs GR-REINFORCE vs Dr. GRPO vs DAPO.
+"""GRPO vs GR-REINFORCE vs Dr. GRPO vs DAPO on format_copy.
 
 The embedded default (configs/format_copy.py) with only ``rl.loss_type`` changed; the length of
 correct and incorrect completions is in every arm's metrics (the dashboard's Dr. GRPO panel) and
 in the results table. With one update per sampled batch the policy ratio is 1 at every update,
 so GRPO's clipping never acts and GRPO equals GR-REINFORCE step for step; the two
-``*_2epochs`` arms take two passes over each batch (``rl.ppo_epochs``, as the course varies it),
-where the second pass is off-policy and the clip can bind.
+``*_2epochs`` arms take two passes over each batch (``rl.ppo_epochs``), where the second pass is
+off-policy and the clip can bind.
 """
 
 from jaxgrpo.run.study import Arm, Study
