@@ -36,6 +36,19 @@ def test_worked_example_is_a_previous_turn_with_the_tag():
     assert ex["messages"][1]["content"].endswith("<answer>17</answer>")
 
 
+def test_the_worked_example_can_compute_with_the_calculator():
+    """With ``worked_calc`` the solved example calls ``calc`` in the tag format and shows its
+    result, which is what ``calc`` returns for that expression."""
+    from jaxgrpo.agents import Toolbox, calc, get_format
+
+    ex = get_task("arithmetic", num_eval=2, worked_example=True, worked_calc=True)
+    solved = ex.eval_examples()[0]["messages"][-2]["content"]
+    fmt = get_format("tag", Toolbox([calc]).schemas)
+    (call,) = fmt.parse(solved)
+    assert call.arguments == {"expression": "4*3+5"}
+    assert f"<result>{calc('4*3+5')}</result>" in solved and solved.endswith("<answer>17</answer>")
+
+
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match="ops=5"):
         get_task("arithmetic", ops=5)
