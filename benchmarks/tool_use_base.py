@@ -10,7 +10,12 @@ single-turn baseline. Prints strict accuracy, the share of episodes with a call,
 errors by kind, and seconds per turn (the first turn samples from the prompts; a later one
 prefills each calling row's whole context, then decodes).
 
-    python benchmarks/tool_use_base.py [--problems 32] [--samples 4] [--new-tokens 128]
+With ``--passes 2`` the second pass runs with every program compiled, and each later turn is
+timed again with a budget of one token: the prefill of the rows' whole context alone, which is
+what reusing the KV cache across turns could save (all but the appended tokens' share).
+
+    python benchmarks/tool_use_base.py [--problems 32] [--samples 4] [--new-tokens 128] \
+        [--passes 2] [--arms calculator]
 """
 
 from __future__ import annotations
@@ -76,6 +81,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=4, help="G per problem")
     parser.add_argument("--new-tokens", type=int, default=128, help="the episode's budget")
     parser.add_argument("--temperature", type=float, default=0.6)
+    parser.add_argument(
+        "--passes", type=int, default=1, help="run each arm this many times; the last is timed "
+        "warm (every program compiled) and also times each later turn's prefill alone",
+    )  # fmt: skip
+    parser.add_argument("--arms", default="no tool,calculator", help="comma-separated arms")
     args = parser.parse_args()
 
     model, tok = load_model(smollm2_path())
@@ -86,60 +96,74 @@ def main() -> None:
         tok, max_new_tokens=args.new_tokens, temperature=args.temperature
     )
     g = args.samples
-    rows = []
-    for arm, system, answer in (
+    rows, shapes = [], []
+    arms = [
         ("no tool", None, EXAMPLE_IN_WORDS),
         ("calculator", fmt.system_prompt(toolbox.schemas), EXAMPLE_WITH_TOOL),
-    ):
-        chats, examples = prompts(task, args.problems, system, answer)
-        ids, mask = tok.encode_chat(chats)
-        seconds: dict[int, float] = {}
-        sample = model_sampler(functools.partial(generate, model), settings, jax.random.key(0))
+    ]
+    for arm, system, answer in [a for a in arms if a[0] in args.arms.split(",")]:
+        for last in [False] * (args.passes - 1) + [True]:
+            chats, examples = prompts(task, args.problems, system, answer)
+            ids, mask = tok.encode_chat(chats)
+            seconds: dict[int, float] = {}
+            sample = model_sampler(functools.partial(generate, model), settings, jax.random.key(0))
 
-        def timed(ids, mask, num_samples, max_lengths, turn, _seconds=seconds, _sample=sample):
+            def timed(ids, mask, num_samples, max_lengths, turn, _seconds=seconds, _sample=sample,
+                      _last=last, _arm=arm):  # fmt: skip
+                start = time.perf_counter()
+                out = _sample(ids, mask, num_samples, max_lengths, turn)
+                out.tokens.block_until_ready()
+                _seconds[turn] = _seconds.get(turn, 0.0) + time.perf_counter() - start
+                if _last and turn > 0:  # the same context, one token each: its prefill's cost
+                    start = time.perf_counter()
+                    ones = np.ones(ids.shape[0], np.int32)
+                    _sample(ids, mask, num_samples, ones, turn).tokens.block_until_ready()
+                    prefill = time.perf_counter() - start
+                    decoded = int(np.asarray(out.lengths).sum())
+                    shapes.append((_arm, turn, ids.shape, decoded, _seconds[turn], prefill))
+                return out
+
+            n_rows = len(examples) * g
             start = time.perf_counter()
-            out = _sample(ids, mask, num_samples, max_lengths, turn)
-            out.tokens.block_until_ready()
-            _seconds[turn] = _seconds.get(turn, 0.0) + time.perf_counter() - start
-            return out
-
-        n_rows = len(examples) * g
-        start = time.perf_counter()
-        batch = run_episodes(
-            timed,
-            tok,
-            fmt,
-            [Toolbox([calc]) for _ in range(n_rows)],
-            ids,
-            mask,
-            group=g,
-            max_new_tokens=args.new_tokens,
-            limits=AgentLimits(max_turns=4, max_tool_tokens=32, tool_timeout_s=5.0),
-        )
-        wall = time.perf_counter() - start
-        texts = [
-            tok.hf.decode(t[m != 0].tolist()) for t, m in zip(batch.tokens, batch.mask, strict=True)
-        ]
-        columns = {"answer": [ex["answer"] for ex in examples for _ in range(g)]}
-        strict = strict_correct("arithmetic", texts, columns)
-        m = metrics(batch.episodes)
-        called = np.mean([e.tool_calls > 0 for e in batch.episodes])
-        failures = {
-            k.split("/")[-1]: v for k, v in m.items() if k.startswith("agent/failed/") and v
-        }
-        rows.append(
-            (
-                arm,
-                strict.mean(),
-                called,
-                m["agent/turns"],
-                m["agent/failed"],
-                failures,
-                seconds,
-                wall,
+            batch = run_episodes(
+                timed,
+                tok,
+                fmt,
+                [Toolbox([calc]) for _ in range(n_rows)],
+                ids,
+                mask,
+                group=g,
+                max_new_tokens=args.new_tokens,
+                limits=AgentLimits(max_turns=4, max_tool_tokens=32, tool_timeout_s=5.0),
             )
-        )
-        print(f"{arm}: example episode:\n{texts[0]}\n", flush=True)
+            wall = time.perf_counter() - start
+            texts = [
+                tok.hf.decode(t[m != 0].tolist())
+                for t, m in zip(batch.tokens, batch.mask, strict=True)
+            ]
+            columns = {"answer": [ex["answer"] for ex in examples for _ in range(g)]}
+            strict = strict_correct("arithmetic", texts, columns)
+            m = metrics(batch.episodes)
+            called = np.mean([e.tool_calls > 0 for e in batch.episodes])
+            failures = {
+                k.split("/")[-1]: v for k, v in m.items() if k.startswith("agent/failed/") and v
+            }
+            rows.append(
+                (
+                    arm,
+                    strict.mean(),
+                    called,
+                    m["agent/turns"],
+                    m["agent/failed"],
+                    failures,
+                    seconds,
+                    wall,
+                )
+            )
+            if not last:
+                rows.pop()
+                continue
+            print(f"{arm}: example episode:\n{texts[0]}\n", flush=True)
 
     print(f"SmolLM2-135M-Instruct, arithmetic held-out, {args.problems} problems x {g} samples, "
           f"{args.new_tokens}-token episodes, temperature {args.temperature}, "
@@ -153,6 +177,12 @@ def main() -> None:
             f"| {arm} | {100 * strict:.1f} | {100 * called:.1f} | {turns:.2f} | {failed:.2f} | "
             f"{kinds or '-'} | {per_turn} | {wall:.0f} |"
         )
+    if shapes:
+        print("\nlater turns (the last pass): each re-prefills its rows' whole context")
+        print("| arm | turn | rows x context tokens | tokens decoded | turn s | prefill alone s |")
+        print("|---|---:|---|---:|---:|---:|")
+        for arm, turn, (n, width), decoded, total, prefill in shapes:
+            print(f"| {arm} | {turn} | {n} x {width} | {decoded} | {total:.2f} | {prefill:.2f} |")
 
 
 if __name__ == "__main__":
