@@ -18,6 +18,7 @@ from flax import nnx
 
 from jaxgrpo.core import presets, sharding
 from jaxgrpo.models.tiny import tiny_model_config
+from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.planning import aot
 from jaxgrpo.planning import compile as compile_cli
@@ -196,6 +197,29 @@ def test_cpu_devices_compile_without_libtpu():
     assert _program(rep, "sample/decode")["loop_body_collectives"] == {}
     args = _program(rep, "sample/prefill")["memory"]["arguments"]
     assert args == _prefill_argument_bytes(rep["facts"])  # XLA:CPU stores arrays untiled
+
+
+def test_a_run_with_tools_compiles_its_later_turns_sampler():
+    """With the python tool the prompt grows by the tools' description, and ``continue``
+    samples the whole batch (B * G = 16 rows, two per device) once per later turn from a
+    context of the prompt bucket and up to T - 1 episode ids, each row with its own budget."""
+    over = {"agent.tools": ("python",), "agent.max_turns": 3, "rl.group_size": 8}
+    rep = compile_cli.compile_config("tiny", "cpu-8", over, 16, only=("sample", "continue"))
+    f = rep["facts"]
+    names = [p["program"] for p in rep["programs"]]
+    assert names == ["sample/prefill", "sample/decode", "continue/prefill", "continue/decode"]
+    assert f["tool_prompt_tokens"] > 100, f  # the JSON block describing one tool
+    p, t = f["prompt_len"], f["max_new_tokens"]
+    assert p == bucket_length(16 + f["tool_prompt_tokens"])
+    assert [x["calls"] for x in rep["programs"]] == [1, 1, 2, 2]  # max_turns - 1 later turns
+    # One device's arguments: the same parameters and knobs (16 rows either way; the budgets
+    # max_len_R are a knob in both), but int32 ids and mask of 2 rows of bucket(P + T - 1)
+    # instead of the 2 prompts of P (replicated: 2 rows do not split over 8 devices).
+    sample = _program(rep, "sample/prefill")["memory"]["arguments"]
+    later = _program(rep, "continue/prefill")["memory"]["arguments"]
+    assert later - sample == 2 * 4 * 2 * (bucket_length(p + t - 1) - p), (later, sample)
+    assert _program(rep, "continue/decode")["loop_body_collectives"] == {}
+    assert "tool description" in compile_cli.render(rep)
 
 
 def test_collectives_are_counted_per_loop_body_and_weighted_by_trips():

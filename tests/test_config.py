@@ -26,7 +26,7 @@ def test_every_shipped_config_validates(name):
 def test_expected_configs_ship_and_every_base_field_has_a_comment():
     expected = {"base", "format_copy", "tiny", "gsm8k_hard", "gsm8k_perplexity", "gsm8k_embedding"}
     expected |= {"gsm8k_embedding_bleu", "gsm8k_hard_soft", "gsm8k_curriculum", "gsm8k_anneal"}
-    expected |= {"sonnets"}
+    expected |= {"sonnets", "gsm8k_tool"}
     assert expected <= set(shipped_configs())
     with open(base.__file__, encoding="utf-8") as f:
         lines = f.read().splitlines()

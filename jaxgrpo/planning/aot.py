@@ -5,10 +5,10 @@ built on an abstract model (``nnx.eval_shape``: shapes and shardings, no weights
 slice's devices (a TPU topology description from libtpu, or virtual CPU devices), and the very
 jitted functions the trainer calls are lowered with sharded ``jax.ShapeDtypeStruct``
 arguments and compiled: the sampler's prefill and decode loop, the scoring pass (reference and
-old policy), the update, and evaluation's greedy sampler. Each compiled program is read for
-its memory (``memory_analysis``), its collectives (from the HLO text, per while-loop body and
-weighted by trip counts) and compile time; FLOPs are counted analytically (``flops``), since
-XLA's cost analysis counts a loop body once.
+old policy), the update, evaluation's greedy sampler and, with tools, the sampler of later
+turns. Each compiled program is read for its memory (``memory_analysis``), its collectives
+(from the HLO text, per while-loop body and weighted by trip counts) and compile time; FLOPs
+are counted analytically (``flops``), since XLA's cost analysis counts a loop body once.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxgrpo.agents import Agent
 from jaxgrpo.core import presets, sharding
 from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
 from jaxgrpo.models.config import ModelConfig
@@ -41,6 +42,9 @@ from jaxgrpo.settings.model import model_config
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
+# Characters per token of the tools' description: no tokenizer of the model is loaded here;
+# BPE takes about four of English and JSON (SmolLM2's: 3.6 on the python tool's JSON block).
+TOOL_CHARS_PER_TOKEN = 4
 
 
 def topology_devices(preset: presets.Preset) -> list:
@@ -82,7 +86,7 @@ class Program:
 
     Attributes:
       name: ``sample/prefill``, ``sample/decode``, ``reference``, ``update``, ...
-      calls: times the step runs it.
+      calls: times the step runs it (at most, for the sampler of later turns).
       compiled: the ``jax.stages.Compiled``.
       lower_s / compile_s: seconds to lower and to compile.
       flops: analytic FLOPs of one call, whole slice (with remat's recomputation).
@@ -143,8 +147,17 @@ def _knobs(knobs, replicated):
     return jax.tree.map(lambda x: abstract_array(x, replicated), knobs)
 
 
-def _sampler(learner, name, prompts, prompt_len, settings, devices) -> list[Program]:
-    """Compiles one ``generate_from_state`` call's prefill and decode."""
+def tool_prompt_tokens(agent: Any) -> int:
+    """Tokens the tools' description adds to each prompt (0 without an ``agent`` section that
+    has tools), from its text at ``TOOL_CHARS_PER_TOKEN`` ("auto": ChatML's JSON format)."""
+    if not agent.enabled:
+        return 0
+    tools = Agent.from_names(agent.tools, agent.environment, tiny_tokenizer(), format=agent.format)
+    return -(-len(tools.instructions) // TOOL_CHARS_PER_TOKEN)
+
+
+def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> list[Program]:
+    """Compiles one ``generate_from_state`` call's prefill and decode, run ``calls`` times."""
     step, mesh = learner.programs, learner.mesh
     cfg = step.model_cfg
     ids = abstract_array(
@@ -158,7 +171,7 @@ def _sampler(learner, name, prompts, prompt_len, settings, devices) -> list[Prog
     f = flops.prefill(cfg, prompts, prompt_len), flops.decode(cfg, n, prompt_len, t)
     f = (f[0], f[0]), (f[1], f[1])
     w = flops.weight_bytes(cfg) / devices
-    first = _compile(f"{name}/prefill", prefill, (states, ids, ids, knobs, rng), 1, f[0], w)
+    first = _compile(f"{name}/prefill", prefill, (states, ids, ids, knobs, rng), calls, f[0], w)
     state = jax.eval_shape(prefill, states, ids, ids, knobs, rng)
     if first.compiled is not None:
         state = jax.tree.map(_abstract_like, state, first.compiled.output_shardings)
@@ -168,8 +181,21 @@ def _sampler(learner, name, prompts, prompt_len, settings, devices) -> list[Prog
         )  # noqa: E731
         state = jax.tree.map(lambda x: _abstract_like(x, rows(x)), state)
     decode_w = flops.weight_bytes(cfg) / mesh.shape["tensor"] * t  # read once per token
-    second = _compile(f"{name}/decode", decode, (states, state, knobs), 1, f[1], decode_w, t)
+    second = _compile(f"{name}/decode", decode, (states, state, knobs), calls, f[1], decode_w, t)
     return [first, second]
+
+
+def _continuation(learner: Learner, p: int, t: int, devices: int) -> list[Program]:
+    """Compiles the sampler of an episode's later turns (``jaxgrpo.agents.rollout``) at its
+    largest: every row calls a tool (padded as there and in ``Learner.turn_sampler``), each from
+    the prompt bucket and up to T - 1 episode ids, one sample with its own budget per row."""
+    rl, mesh = learner.rl, learner.mesh
+    rows = bucket_length(rl.prompts_per_step * rl.group_size, 1)
+    rows += -rows % (mesh.shape["data"] * mesh.shape["fsdp"])
+    budgets = np.full(rows, t, np.int32)
+    settings = dataclasses.replace(learner.sampler_settings(0), num_samples=1, max_lengths=budgets)
+    turns, width = learner.cfg.agent.max_turns - 1, bucket_length(p + t - 1)
+    return _sampler(learner, "continue", rows, width, settings, devices, turns)
 
 
 def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
@@ -181,6 +207,8 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
     programs = []
     if want("sample"):
         programs += _sampler(learner, "sample", b, p, learner.sampler_settings(0), d)
+    if learner.cfg.agent.enabled and learner.cfg.agent.max_turns > 1 and want("continue"):
+        programs += _continuation(learner, p, t, d)  # an episode's later turns
     batch = step.abstract_batch(p, t)
     inputs = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask, batch.temps)
     score = (step.params0, step.frozen, *inputs, batch.packing, batch.shared_ids)
@@ -212,9 +240,10 @@ def compile_step(
     Args:
       cfg: the run's ``TrainConfig`` (its mesh resolved for the slice).
       preset: the slice.
-      prompt_len: longest prompt in tokens; the prompt bucket is its ``bucket_length``.
-      only: name prefixes of the programs to compile (``"sample"``, ``"score"``, ``"update"``,
-        ``"eval"``); None compiles all.
+      prompt_len: longest prompt in tokens, without the tools' description, which is added
+        (``tool_prompt_tokens``); the prompt bucket is their sum's ``bucket_length``.
+      only: name prefixes of the programs to compile (``"sample"``, ``"continue"``,
+        ``"score"``, ``"update"``, ``"eval"``); None compiles all.
 
     Returns:
       (programs, facts): facts hold the mesh, model shape and what the learner decided.
@@ -225,7 +254,8 @@ def compile_step(
     mesh = sharding.make_mesh(shape, devices)
     model_cfg = model_config(cfg.model, platform)
     learner = abstract_learner(cfg, mesh, model_cfg)
-    p, t = bucket_length(prompt_len), cfg.sampling.max_new_tokens
+    tool_tokens = tool_prompt_tokens(cfg.agent)
+    p, t = bucket_length(prompt_len + tool_tokens), cfg.sampling.max_new_tokens
     programs = _step_programs(learner, p, t, only)
     rules = sharding.sampling_rules(mesh, flops.weight_bytes(model_cfg))
     facts = dict(
@@ -239,6 +269,7 @@ def compile_step(
         lora_params=memory.lora_param_count(model_cfg),
         tuning="LoRA" if model_cfg.lora else "full",
         prompt_len=p,
+        tool_prompt_tokens=tool_tokens,
         max_new_tokens=t,
         sample_rules=sharding.rules_name(rules),
         updates_per_step=learner.programs.updates_per_step,

@@ -7,8 +7,11 @@ weights, no network; see ``jaxgrpo.planning.aot``), and reports per program: per
 verdict, headroom and the knob to turn when it does not fit; analytic FLOPs; the collectives in
 the compiled HLO (and in the decode loop's body: one decode step); compile time; and a roofline
 estimate of its time and of the step's model FLOP utilisation (an estimate from the published
-chip figures, not a measurement). A table on stdout, everything with ``--json OUT``;
-``--table`` compiles a models x slices grid (``TABLE_MODELS`` x ``TABLE_SLICES``) instead.
+chip figures, not a measurement). A run with tools (``agent``) has longer prompts (the tools'
+description is added to ``--prompt_len``) and one more sampler, ``continue``: an episode's
+later turns, every row from a context of up to the prompt and the whole budget. A table on
+stdout, everything with ``--json OUT``; ``--table`` compiles a models x slices grid
+(``TABLE_MODELS`` x ``TABLE_SLICES``) instead.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ TABLE_MODELS = (
     "SmolLM2-135M", "Qwen2.5-1.5B", "Qwen2.5-Math-1.5B-Instruct", "Llama-3.1-8B", "Qwen3-8B"
 )  # fmt: skip
 TABLE_SLICES = ("v5e-8", "v5e-64", "v5p-128", "v6e-64")
-TABLE_ONLY = ("sample", "score", "update")  # the training step (evaluation is not in it)
+# the training step (evaluation is not in it); "continue" only with tools
+TABLE_ONLY = ("sample", "continue", "score", "update")
 
 
 def _set_devices(topology: str) -> None:
@@ -152,13 +156,19 @@ def report(cfg: Any, programs: list, facts: dict, preset) -> dict[str, Any]:
     return dict(facts=facts, programs=rows, step=step)
 
 
+def _tools_text(facts: dict) -> str:
+    tokens = facts.get("tool_prompt_tokens", 0)
+    return f" (with ~{tokens} tokens of tool description)" if tokens else ""
+
+
 def render(rep: dict) -> str:
     """The human-readable table of a report."""
     f, s = rep["facts"], rep["step"]
     lines = [
         f"{f['model']} ({f['tuning']}, {f['params'] / 1e9:.2f} B) on {f['topology']}: "
         f"{f['devices']} devices, {f['hosts']} hosts, mesh {f['mesh']}, "
-        f"P={f['prompt_len']}, T={f['max_new_tokens']}, sampler rules: {f['sample_rules']}",
+        f"P={f['prompt_len']}{_tools_text(f)}, T={f['max_new_tokens']}, "
+        f"sampler rules: {f['sample_rules']}",
         "",
         "| program | calls | args GiB | out GiB | temp GiB | code MiB | alias GiB | total GiB "
         "| fits | compile s | TFLOP/chip | est. s | collectives (per call) "
@@ -278,7 +288,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", help="write the report here")
     parser.add_argument("--table", action="store_true", help="models x slices table")
     parser.add_argument(
-        "--only", nargs="*", help="program name prefixes: sample, score, update, eval (all)"
+        "--only",
+        nargs="*",
+        help="program name prefixes: sample, continue, score, update, eval (all)",
     )
     parser.add_argument("--models", nargs="*", help="--table: architectures (default: the five)")
     parser.add_argument("--slices", nargs="*", help="--table: slices (default: the four)")
