@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 import time
 from types import SimpleNamespace
@@ -42,9 +43,8 @@ from jaxgrpo.settings.model import model_config
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
-# Characters per token of the tools' description: no tokenizer of the model is loaded here;
-# BPE takes about four of English and JSON (SmolLM2's: 3.6 on the python tool's JSON block).
-TOOL_CHARS_PER_TOKEN = 4
+# Characters per token of the tools' description, no model tokenizer being loaded (SmolLM2's: 3.6).
+TOOL_CHARS_PER_TOKEN = 3.5
 
 
 def topology_devices(preset: presets.Preset) -> list:
@@ -153,7 +153,7 @@ def tool_prompt_tokens(agent: Any) -> int:
     if not agent.enabled:
         return 0
     tools = Agent.from_names(agent.tools, agent.environment, tiny_tokenizer(), format=agent.format)
-    return -(-len(tools.instructions) // TOOL_CHARS_PER_TOKEN)
+    return math.ceil(len(tools.instructions) / TOOL_CHARS_PER_TOKEN)
 
 
 def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> list[Program]:
