@@ -43,8 +43,9 @@ from jaxgrpo.settings.model import model_config
 COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
                 "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
-# Characters per token of the tools' description, no model tokenizer being loaded (SmolLM2's: 3.6).
-TOOL_CHARS_PER_TOKEN = 3.5
+# Characters per token of the tools' description (no model tokenizer is loaded): a large-vocab
+# tokenizer's rate on JSON and English (Llama 3's 128k; SmolLM2's 49k takes 3.6 on the python tool).
+TOOL_CHARS_PER_TOKEN = 4
 
 
 def topology_devices(preset: presets.Preset) -> list:
@@ -148,8 +149,7 @@ def _knobs(knobs, replicated):
 
 
 def tool_prompt_tokens(agent: Any) -> int:
-    """Tokens the tools' description adds to each prompt (0 without an ``agent`` section that
-    has tools), from its text at ``TOOL_CHARS_PER_TOKEN`` ("auto": ChatML's JSON format)."""
+    """Tokens the tools' description adds to a prompt at ``TOOL_CHARS_PER_TOKEN`` (0: none)."""
     if not agent.enabled:
         return 0
     tools = Agent.from_names(agent.tools, agent.environment, tiny_tokenizer(), format=agent.format)
