@@ -103,3 +103,29 @@ def test_shipped_studies_validate_every_arm(name, tmp_path):
     configs = study_lib.arm_configs(study, str(tmp_path))
     assert list(configs) == [a.label for a in study.arms]
     assert len({c.steps for c in configs.values()}) == 1  # same budget for every arm
+
+
+def test_tool_use_study_arms_and_its_table_columns(tmp_path):
+    """tool_use_mini's arms: the same budget for the trained ones, one untrained arm with the
+    tool, the calculator only where named; a table of arms with tools gets the per-episode
+    columns, with "-" for an arm without tools."""
+    study = study_lib.load_study("tool_use_mini")
+    configs = study_lib.arm_configs(study, str(tmp_path))
+    steps = {label: c.steps for label, c in configs.items()}
+    assert steps == {"no_tool": 20, "base_calculator": 0, "calculator": 20}
+    assert [label for label, c in configs.items() if c.agent.tools == ("calc",)] == [
+        "base_calculator",
+        "calculator",
+    ]
+    summary = {"num_prompts": 4, "pass@2": 0.5, "doom_loop": 0.0}
+    summary |= {"strict_accuracy": 0.5, "lenient_accuracy": 0.5, "format_rate": 1.0}
+    summary |= {"length_correct": {"mean": 10.0}, "length_incorrect": {"mean": 12.0}}
+    rows = {
+        "no_tool": {"summary": summary},
+        "calculator": {"summary": {**summary, "agent/tool_calls": 0.75, "agent/turns": 1.5}},
+    }
+    protocol = {"num_samples": 2, "max_new_tokens": 8, "temperature": 0.6, "top_p": 0.95}
+    table = study_lib.results_markdown(study, rows, protocol)
+    assert "| arm | strict % | tool calls / episode | turns | tool errors / episode |" in table
+    assert "| calculator | 50.0 | 0.75 | 1.50 | - |" in table
+    assert "| no_tool | 50.0 | - | - | - |" in table

@@ -329,12 +329,27 @@ def _mean_length(key: str) -> Callable[[dict], str]:
     return cell
 
 
-def columns(k: int) -> list[tuple[str, Callable[[dict], str]]]:
-    """The table's columns for ``k`` samples per prompt."""
+def _per_episode(key: str) -> Callable[[dict], str]:
+    def cell(result: dict) -> str:
+        value = result["summary"].get(key)
+        return "-" if value is None else f"{value:.2f}"
+
+    return cell
+
+
+def columns(k: int, tools: bool = False) -> list[tuple[str, Callable[[dict], str]]]:
+    """The table's columns for ``k`` samples per prompt; with ``tools`` (some arm ran episodes
+    with tools) also calls, turns and failed calls per episode."""
     from jaxgrpo.grading.accuracy import FORMAT, LENIENT, STRICT
 
+    agent = [
+        ("tool calls / episode", _per_episode("agent/tool_calls")),
+        ("turns", _per_episode("agent/turns")),
+        ("tool errors / episode", _per_episode("agent/failed")),
+    ]
     return [
         ("strict %", _pct(STRICT)),
+        *(agent if tools else []),
         ("lenient %", _pct(LENIENT)),
         ("format %", _pct(FORMAT)),
         (f"pass@{k} %", _pct(f"pass@{k}")),
@@ -351,7 +366,7 @@ def columns(k: int) -> list[tuple[str, Callable[[dict], str]]]:
 def results_markdown(study: Study, rows: dict[str, dict], protocol: dict) -> str:
     """``results.md``: a heading, the protocol, the table, and each arm's note."""
     k = protocol["num_samples"]
-    cols = columns(k)
+    cols = columns(k, tools=any("agent/tool_calls" in r["summary"] for r in rows.values()))
     lines = [
         f"# {study.title or study.name}",
         "",
