@@ -14,7 +14,7 @@ import pytest
 
 from jaxgrpo.core.sharding import make_mesh
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.run import study as study_lib
+from jaxgrpo.run import study_results
 from jaxgrpo.run.build import build_rewards, build_task, load_policy
 from jaxgrpo.settings import schema as config_lib
 
@@ -145,7 +145,7 @@ def test_study_evaluation_calls_it_alike(trained, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp))
     cfg = config_lib.load_config(cfg_path, {"run_dir": run_dir})
     before = len(_calls(log))
-    result = study_lib.Evaluator(cfg)("arm", cfg, run_dir, str(tmp / "study_eval"))
+    result = study_results.Evaluator(cfg)("arm", cfg, run_dir, str(tmp / "study_eval"))
     assert _calls(log)[before:] == [{"n": 8, "step": 2}], "4 held-out prompts x 2 samples"
     assert result["summary"]["reward/trl_style_rewards.token_count_reward/failed_frac"] == 0.0
 

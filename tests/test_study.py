@@ -11,6 +11,7 @@ import pytest
 
 from jaxgrpo.core.errors import UserError
 from jaxgrpo.run import study as study_lib
+from jaxgrpo.run import study_results
 
 STUDY = """
 from jaxgrpo.run.study import Arm, Study
@@ -125,7 +126,7 @@ def test_tool_use_study_arms_and_its_table_columns(tmp_path):
         "calculator": {"summary": {**summary, "agent/tool_calls": 0.75, "agent/turns": 1.5}},
     }
     protocol = {"num_samples": 2, "max_new_tokens": 8, "temperature": 0.6, "top_p": 0.95}
-    table = study_lib.results_markdown(study, rows, protocol)
+    table = study_results.results_markdown(study, rows, protocol)
     assert "| arm | strict % | tool calls / episode | turns | tool errors / episode |" in table
     assert "| calculator | 50.0 | 0.75 | 1.50 | - |" in table
     assert "| no_tool | 50.0 | - | - | - |" in table
