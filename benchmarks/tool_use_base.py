@@ -1,5 +1,6 @@
 """The embedded model with a calculator, untrained: how often it calls the tool, how often it is
-right, and what a turn costs (a benchmark, not a test).
+right, and what a later turn costs from the kept KV cache against sampling the whole context
+afresh (a benchmark, not a test).
 
 SmolLM2-135M-Instruct on the `arithmetic` task's held-out problems, G samples each, through
 `jaxgrpo.agents.run_episodes` with the tag format (`<calc>expression</calc>` answered by
@@ -7,22 +8,22 @@ SmolLM2-135M-Instruct on the `arithmetic` task's held-out problems, G samples ea
 example (a previous user/assistant exchange) shows a call and its result. The same prompts
 without the tool (no system message about it, the example answered in words) are the
 single-turn baseline. Prints strict accuracy, the share of episodes with a call, turns, tool
-errors by kind, and seconds per turn (the first turn samples from the prompts; a later one
-prefills each calling row's whole context, then decodes).
+errors by kind, and seconds per turn.
 
-With ``--passes 2`` the second pass runs with every program compiled, and each later turn is
-timed again with a budget of one token: the prefill of the rows' whole context alone, which is
-what reusing the KV cache across turns could save (all but the appended tokens' share).
+The calculator arm runs its later turns two ways through the same mesh sampler and keys:
+``cache`` (the trainer's: each row continued from its KV cache, only the appended ids
+prefilled) and ``whole`` (each calling row's whole context prefilled again as a new prompt).
+With ``--passes 2`` the second pass is timed with every program compiled.
 
     python benchmarks/tool_use_base.py [--problems 32] [--samples 4] [--new-tokens 128] \
-        [--passes 2] [--arms calculator]
+        [--passes 2] [--arms calculator] [--later cache,whole]
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
 import time
+import types
 
 from jaxgrpo.core.host import prepare_cli
 
@@ -30,21 +31,16 @@ prepare_cli()
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
-from jaxgrpo.agents import (  # noqa: E402
-    AgentLimits,
-    Toolbox,
-    calc,
-    get_format,
-    metrics,
-    model_sampler,
-    run_episodes,
-)
+from jaxgrpo.agents import AgentLimits, Toolbox, calc, get_format, metrics, run_episodes  # noqa: E402
+from jaxgrpo.core.sharding import make_mesh  # noqa: E402
 from jaxgrpo.data import get_task  # noqa: E402
+from jaxgrpo.eval.completions import mesh_sampler  # noqa: E402
 from jaxgrpo.grading.accuracy import strict_correct  # noqa: E402
 from jaxgrpo.models import load_model  # noqa: E402
 from jaxgrpo.run.build import smollm2_path  # noqa: E402
-from jaxgrpo.sampling import SamplerSettings, generate  # noqa: E402
+from jaxgrpo.sampling import SamplerSettings  # noqa: E402
 
 EXAMPLE_QUESTION = (
     "Mia has 4 bags with 3 pens in each bag. Then Mia gets 5 more pens. How many pens does Mia "
@@ -83,9 +79,12 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.6)
     parser.add_argument(
         "--passes", type=int, default=1, help="run each arm this many times; the last is timed "
-        "warm (every program compiled) and also times each later turn's prefill alone",
+        "warm (every program compiled)",
     )  # fmt: skip
     parser.add_argument("--arms", default="no tool,calculator", help="comma-separated arms")
+    parser.add_argument(
+        "--later", default="cache,whole", help="how the calculator arm samples later turns"
+    )
     args = parser.parse_args()
 
     model, tok = load_model(smollm2_path())
@@ -96,31 +95,37 @@ def main() -> None:
         tok, max_new_tokens=args.new_tokens, temperature=args.temperature
     )
     g = args.samples
-    rows, shapes = [], []
+    rows = []
     arms = [
         ("no tool", None, EXAMPLE_IN_WORDS),
         ("calculator", fmt.system_prompt(toolbox.schemas), EXAMPLE_WITH_TOOL),
     ]
-    for arm, system, answer in [a for a in arms if a[0] in args.arms.split(",")]:
+    graphdef, state = nnx.split(model)
+    mesh = make_mesh({"data": 1}, jax.devices()[:1])
+
+    def sampler(keep: bool):
+        sample = mesh_sampler(
+            graphdef, (state,), model.cfg, mesh, settings, jax.random.key(0), keep_cache=keep
+        )
+        if keep:
+            return sample
+        return lambda ids, mask, g, lengths, turn, resume: sample(ids, mask, g, lengths, turn)
+
+    runs = [(arm, later) for arm in args.arms.split(",") for later in args.later.split(",")]
+    runs = [(arm, later) for arm, later in runs if arm == "calculator" or later == "whole"]
+    for arm, later in runs:
+        system, answer = {a: (s, e) for a, s, e in arms}[arm]
         for last in [False] * (args.passes - 1) + [True]:
             chats, examples = prompts(task, args.problems, system, answer)
             ids, mask = tok.encode_chat(chats)
             seconds: dict[int, float] = {}
-            sample = model_sampler(functools.partial(generate, model), settings, jax.random.key(0))
+            sample = sampler(later == "cache")
 
-            def timed(ids, mask, num_samples, max_lengths, turn, _seconds=seconds, _sample=sample,
-                      _last=last, _arm=arm):  # fmt: skip
+            def timed(*call, _seconds=seconds, _sample=sample):
                 start = time.perf_counter()
-                out = _sample(ids, mask, num_samples, max_lengths, turn)
-                out.tokens.block_until_ready()
+                out = types.SimpleNamespace(**_sample(*call))
+                turn = call[4]
                 _seconds[turn] = _seconds.get(turn, 0.0) + time.perf_counter() - start
-                if _last and turn > 0:  # the same context, one token each: its prefill's cost
-                    start = time.perf_counter()
-                    ones = np.ones(ids.shape[0], np.int32)
-                    _sample(ids, mask, num_samples, ones, turn).tokens.block_until_ready()
-                    prefill = time.perf_counter() - start
-                    decoded = int(np.asarray(out.lengths).sum())
-                    shapes.append((_arm, turn, ids.shape, decoded, _seconds[turn], prefill))
                 return out
 
             n_rows = len(examples) * g
@@ -148,9 +153,10 @@ def main() -> None:
             failures = {
                 k.split("/")[-1]: v for k, v in m.items() if k.startswith("agent/failed/") and v
             }
+            label = arm if arm == "no tool" else f"{arm}, later turns: {later}"
             rows.append(
                 (
-                    arm,
+                    label,
                     strict.mean(),
                     called,
                     m["agent/turns"],
@@ -177,12 +183,6 @@ def main() -> None:
             f"| {arm} | {100 * strict:.1f} | {100 * called:.1f} | {turns:.2f} | {failed:.2f} | "
             f"{kinds or '-'} | {per_turn} | {wall:.0f} |"
         )
-    if shapes:
-        print("\nlater turns (the last pass): each re-prefills its rows' whole context")
-        print("| arm | turn | rows x context tokens | tokens decoded | turn s | prefill alone s |")
-        print("|---|---:|---|---:|---:|---:|")
-        for arm, turn, (n, width), decoded, total, prefill in shapes:
-            print(f"| {arm} | {turn} | {n} x {width} | {decoded} | {total:.2f} | {prefill:.2f} |")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.planning import aot
 from jaxgrpo.planning import compile as compile_cli
+from jaxgrpo.planning import hlo as hlo_text
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -200,24 +201,24 @@ def test_cpu_devices_compile_without_libtpu():
 
 
 def test_a_run_with_tools_compiles_its_later_turns_sampler():
-    """With the python tool the prompt grows by the tools' description, and ``continue``
-    samples the whole batch (B * G = 16 rows, two per device) once per later turn from a
-    context of the prompt bucket and up to T - 1 episode ids, each row with its own budget."""
+    """With the python tool the prompt grows by the tools' description, the first turn's decode
+    keeps its cache, and ``continue`` resumes the whole batch (B * G = 16 rows, two per
+    device) from it once per later turn: the rows' earlier ids stay in the cache, and only
+    a chunk of the last kept id and a result is prefilled."""
     over = {"agent.tools": ("python",), "agent.max_turns": 3, "rl.group_size": 8}
     rep = compile_cli.compile_config("tiny", "cpu-8", over, 16, only=("sample", "continue"))
     f = rep["facts"]
     names = [p["program"] for p in rep["programs"]]
-    assert names == ["sample/prefill", "sample/decode", "continue/prefill", "continue/decode"]
+    assert names == ["sample/prefill", "sample/decode", "continue/resume", "continue/decode"]
     assert f["tool_prompt_tokens"] > 100, f  # the JSON block describing one tool
-    p, t = f["prompt_len"], f["max_new_tokens"]
+    p = f["prompt_len"]
     assert p == bucket_length(16 + f["tool_prompt_tokens"])
     assert [x["calls"] for x in rep["programs"]] == [1, 1, 2, 2]  # max_turns - 1 later turns
-    # One device's arguments: the same parameters and knobs (16 rows either way; the budgets
-    # max_len_R are a knob in both), but int32 ids and mask of 2 rows of bucket(P + T - 1)
-    # instead of the 2 prompts of P (replicated: 2 rows do not split over 8 devices).
-    sample = _program(rep, "sample/prefill")["memory"]["arguments"]
-    later = _program(rep, "continue/prefill")["memory"]["arguments"]
-    assert later - sample == 2 * 4 * 2 * (bucket_length(p + t - 1) - p), (later, sample)
+    # The first turn's decode returns its cache, which the resume takes as an argument.
+    prefill, decode, resume = (
+        _program(rep, n)["memory"] for n in ("sample/prefill", "sample/decode", "continue/resume")
+    )
+    assert resume["arguments"] > prefill["arguments"] and decode["outputs"] > 0
     assert _program(rep, "continue/decode")["loop_body_collectives"] == {}
     assert "tool description" in compile_cli.render(rep)
 
@@ -241,7 +242,7 @@ backend_config={"known_trip_count":{"n":"5"}}
   ROOT %r = f32[16]{0} copy(%ag)
 }
 """
-    out = aot.collectives(hlo)
+    out = hlo_text.collectives(hlo)
     assert out["loop_body"] == {"all-reduce": {"count": 1, "bytes": 32}}
     assert out["program"]["all-reduce"] == {"count": 5, "bytes": 160}
     assert out["program"]["all-gather"] == {"count": 1, "bytes": 64}
@@ -273,7 +274,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   ROOT %r = f32[8]{0} copy(%a)
 }
 """
-    out = aot.collectives(hlo, unknown_trips=10)
+    out = hlo_text.collectives(hlo, unknown_trips=10)
     assert out["loop_body"] == {
         "all-reduce": {"count": 3, "bytes": 96},
         "all-gather": {"count": 1, "bytes": 64},
@@ -298,9 +299,9 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   ROOT %r = f32[8]{0} copy(%a)
 }
 """
-    comps, entry = aot._parse(hlo)
+    comps, entry = hlo_text._parse(hlo)
     line = next(x for op, _, x in comps[entry] if op == "while")
-    assert aot._counted_trips(comps, line) == 7
+    assert hlo_text._counted_trips(comps, line) == 7
 
 
 def test_every_table_slice_is_a_topology():

@@ -28,7 +28,7 @@ is the part of that feature that is plain Python, with no JAX and no tokenizer:
   the system message) and runs them; the environment's ``get_reward()`` as a reward function.
 - ``rollout``: ``run_episodes``, the host loop over a sampler: a turn for every row, its calls
   run, the results' ids appended with model mask 0 (cut to ``max_tool_tokens``), the rows that
-  called sampled again from their whole context, until a turn without a call, ``max_turns`` or
+  called sampled again from their kept KV cache, until a turn without a call, ``max_turns`` or
   the episode's token budget. The sampled ids are kept as drawn, never re-tokenized from text.
 
 The learner (``jaxgrpo.rl.learner``) trains on the episodes with the results' ids masked from

@@ -1,12 +1,12 @@
 """A run's agent: its tools, environment, call format and limits, and the episodes it starts.
 
-``Agent`` is built once per run from the ``agent`` settings (``Agent.from_names`` resolves the
-config's names). Each step it starts B * G episodes (``start``): one environment instance per
-episode (TRL's ``environment_factory``), reset with the example's columns, whose text is added
-to the prompt, and one ``Toolbox`` per episode; then ``run`` samples them turn by turn
-(``rollout.run_episodes``). The tools are described to the model in the system message
-(``ToolFormat.system_prompt``), which works with any chat template, whether or not it renders
-tools itself.
+``Agent`` is built once per run from the ``agent`` settings (``Agent.from_config``, which
+resolves the config's names through ``Agent.from_names``). Each step it starts B * G episodes
+(``start``): one environment instance per episode (TRL's ``environment_factory``), reset with
+the example's columns, whose text is added to the prompt, and one ``Toolbox`` per episode;
+then ``run`` samples them turn by turn (``rollout.run_episodes``). The tools are described to
+the model in the system message (``ToolFormat.system_prompt``), which works with any chat
+template, whether or not it renders tools itself.
 """
 
 from __future__ import annotations
@@ -95,6 +95,22 @@ class Agent:
         functions = [_resolve(name, f"agent.tools[{i}]") for i, name in enumerate(tools)]
         factory = _resolve(environment, "agent.environment") if environment else None
         return cls(functions, factory, tokenizer, **kwargs)
+
+    @classmethod
+    def from_config(cls, agent: Any, tokenizer: Any) -> Agent | None:
+        """The run's agent from its ``agent`` settings (``AgentConfig``, read by field: the
+        settings lie above the agents), or None when they name neither tools nor an
+        environment."""
+        if not agent.enabled:
+            return None
+        return cls.from_names(
+            agent.tools,
+            agent.environment,
+            tokenizer,
+            format=agent.format,
+            limits=AgentLimits(agent.max_turns, agent.max_tool_tokens, agent.tool_timeout_s),
+            reward_weight=agent.environment_reward_weight,
+        )
 
     def _make_environment(self) -> object:
         try:

@@ -9,8 +9,10 @@ never tokenized again. A result's text is tokenized once, as the format renders 
 carry model mask 0: the loss must not train on them.
 
 The budget is TRL's: ``max_new_tokens`` counts the whole episode after the prompt, results
-included. A later turn is sampled from the row's whole context (prompt, then the episode so
-far) as a new prompt of its own: one prefill of that context per turn, then decoding as usual.
+included. A later turn continues each calling row from the KV cache of its turn before
+(``Resume``): only the turn's last kept id and the results' ids are computed, not the prompt and
+the episode so far. A sampler without a cache (a test's script) reads the row's whole context,
+which every later turn also gets.
 """
 
 from __future__ import annotations
@@ -26,10 +28,34 @@ from jaxgrpo.agents.formats import ToolFormat
 from jaxgrpo.agents.tools import Toolbox
 from jaxgrpo.models.tokenizer import bucket_length
 
-# sample(ids [N, P], mask [N, P], num_samples, max_lengths [N * num_samples] or None, turn) ->
-# an object with tokens, logprobs, temperatures [N * num_samples, T] and lengths [N * num_samples]
-# (a `jaxgrpo.sampling.SampleOutput`).
-Sampler = Callable[[np.ndarray, np.ndarray, int, np.ndarray | None, int], Any]
+# sample(ids [N, P], mask [N, P], num_samples, max_lengths [N * num_samples] or None, turn,
+# resume) -> an object with tokens, logprobs, temperatures [N * num_samples, T] and lengths
+# [N * num_samples] (a `jaxgrpo.sampling.SampleOutput`). ids are the prompts at turn 0, every
+# row's whole context later; resume is None at turn 0, then the `Resume` of the turn.
+Sampler = Callable[[np.ndarray, np.ndarray, int, np.ndarray | None, int, Any], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    """How a later turn's N rows continue from the cache of the sampler's previous call
+    (``jaxgrpo.sampling.resume_from_state``'s arguments).
+
+    Attributes:
+      rows: [N] the rows of the previous call that go on.
+      valid_until: [N] each row's completion slots before this one hold its episode; later
+        ones hold ids sampled past the turn's cut.
+      positions: [N] the position id of each row's first appended id.
+      ids / mask: [N, K] left-padded: each row's last kept id (which may not be in the cache:
+        a row's last sampled id is not fed back), then its results' ids.
+      width: completion slots that hold every row's earlier ids.
+    """
+
+    rows: np.ndarray
+    valid_until: np.ndarray
+    positions: np.ndarray
+    ids: np.ndarray
+    mask: np.ndarray
+    width: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,12 +188,12 @@ def run_episodes(
     prompts = [ids[mask != 0].tolist() for ids, mask in zip(prompt_ids, prompt_mask, strict=True)]
     rows = [_Row(prompts[r // group]) for r in range(n_rows)]
     eos, stop_strings = set(tokenizer.eos_ids), fmt.stop_strings()
-    out = sample(prompt_ids, prompt_mask, group, None, 0)
-    live = list(range(n_rows))
+    out = sample(prompt_ids, prompt_mask, group, None, 0, None)
+    live, start = list(range(n_rows)), 0  # start: the completion slot of a turn's first id
     for turn in range(limits.max_turns):
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         logprobs, temps = np.asarray(out.logprobs), np.asarray(out.temperatures)
-        going = []
+        going, resume = [], []
         for i, r in enumerate(live):
             row, ids = rows[r], tokens[i, : int(lengths[i])].tolist()
             ended = bool(ids) and ids[-1] in eos
@@ -185,18 +211,41 @@ def run_episodes(
             results = [toolboxes[r].run(call, limits.tool_timeout_s) for call in calls]
             result_ids, cut = _result_ids(tokenizer, fmt, calls, results, limits.max_tool_tokens)
             row.episode.add_turn(text, calls, results, cut)
-            row.extend(result_ids[: room - 1], 0)
+            appended = result_ids[: room - 1]
+            row.extend(appended, 0)
             if len(row.ids) < max_new_tokens:
                 going.append(r)
+                # (row in the call, slots it keeps, chunk: the last kept id and the results)
+                resume.append((i, start + keep - 1, [ids[keep - 1], *appended]))
         if not going:
             break
         live = going
+        extra = _padded_rows(len(live)) - len(live)
         contexts = [rows[r].prompt + rows[r].ids for r in live]
         budget = [max_new_tokens - len(rows[r].ids) for r in live]
-        extra = _padded_rows(len(live)) - len(live)
         ids, mask = _left_padded(contexts + contexts[:1] * extra, tokenizer.pad_id, 16)
-        out = sample(ids, mask, 1, np.asarray(budget + [1] * extra, np.int32), turn + 1)
+        step = _resume(resume, [rows[r] for r in live], extra, tokenizer.pad_id)
+        start = step.width + step.ids.shape[1]
+        out = sample(ids, mask, 1, np.asarray(budget + [1] * extra, np.int32), turn + 1, step)
     return _as_batch(rows, max_new_tokens, tokenizer.pad_id, eos)
+
+
+def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: int) -> Resume:
+    """The ``Resume`` of a later turn: ``going`` holds (row in the previous call, slots it
+    keeps, its chunk) for each of ``rows`` (already extended by the chunk), then ``extra``
+    padding rows repeat the first."""
+    earlier = [len(row.ids) - len(chunk) for row, (_, _, chunk) in zip(rows, going, strict=True)]
+    positions = [len(row.prompt) + n for row, n in zip(rows, earlier, strict=True)]
+    ids, mask = _left_padded([chunk for _, _, chunk in going], pad_id, 1)
+    pad = lambda x: np.concatenate([np.asarray(x), np.asarray(x)[:1].repeat(extra, 0)])  # noqa: E731
+    return Resume(
+        rows=pad([i for i, _, _ in going]).astype(np.int32),
+        valid_until=pad([v for _, v, _ in going]).astype(np.int32),
+        positions=pad(positions).astype(np.int32),
+        ids=pad(ids),
+        mask=pad(mask),
+        width=bucket_length(max(earlier), 16),
+    )
 
 
 def _as_batch(rows: Sequence[_Row], t: int, pad_id: int, eos: set[int]) -> EpisodeBatch:
@@ -224,11 +273,13 @@ def _as_batch(rows: Sequence[_Row], t: int, pad_id: int, eos: set[int]) -> Episo
 
 def model_sampler(generate_fn: Callable, settings: Any, rng: Any) -> Sampler:
     """A ``Sampler`` over ``generate_fn(ids, mask, settings, rng=...)`` (e.g.
-    ``functools.partial(jaxgrpo.sampling.generate, model)``): each turn draws with its own key
-    (``fold_in(rng, turn)``), the turn's samples per prompt and per-row budgets."""
+    ``functools.partial(jaxgrpo.sampling.generate, model)``) that samples every turn from the
+    whole context, keeping no cache (the reference the cache's turns are tested against):
+    each turn draws with its own key (``fold_in(rng, turn)``), the turn's samples per prompt
+    and per-row budgets."""
     import jax
 
-    def sample(ids, mask, num_samples, max_lengths, turn):
+    def sample(ids, mask, num_samples, max_lengths, turn, resume=None):
         s = dataclasses.replace(settings, num_samples=num_samples, max_lengths=max_lengths)
         return generate_fn(ids, mask, s, rng=jax.random.fold_in(rng, turn))
 

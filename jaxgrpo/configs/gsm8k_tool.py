@@ -6,9 +6,9 @@ up to four model turns, a call's printed output (cut at 256 tokens) is appended 
 and attended but not trained on, and the reward reads the episode's last <answer>. The
 format is the chat template's own ("auto": Llama 3.1's JSON call turn for gsm8k_hard's model,
 Qwen's <tool_call> JSON for a Qwen model such as Qwen2.5-Math-1.5B-Instruct). The 512 tokens
-count the whole episode, results included. The sampler of later turns (every row from its
-whole context) is the step's largest program; ``python -m jaxgrpo.compile --config gsm8k_tool
---topology v5e-64`` says whether it fits.
+count the whole episode, results included. The sampler of later turns (every row continued
+from its kept KV cache, with a copy of its prompt's) holds the step's largest cache;
+``python -m jaxgrpo.compile --config gsm8k_tool --topology v5e-64`` says whether it fits.
 """
 
 from jaxgrpo.configs import gsm8k_hard

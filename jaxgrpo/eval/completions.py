@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo.core import sharding
-from jaxgrpo.sampling import SamplerSettings, StopReason, generate_from_state
+from jaxgrpo.sampling import SamplerSettings, StopReason, generate_from_state, resume_from_state
 
 SAMPLE_FIELDS = ("tokens", "mask", "logprobs", "temperatures", "stop_reason", "lengths")
 
@@ -147,32 +147,52 @@ def sample(
 
 
 def mesh_sampler(
-    graphdef: Any, states: Sequence[Any], model_cfg: Any, mesh: Any, settings: SamplerSettings, key
+    graphdef: Any,
+    states: Sequence[Any],
+    model_cfg: Any,
+    mesh: Any,
+    settings: SamplerSettings,
+    key,
+    *,
+    keep_cache: bool = False,
 ) -> Callable[..., dict[str, np.ndarray]]:
-    """``sample(ids [N, P], mask, num_samples, max_lengths, turn)`` -> host arrays of
-    ``SAMPLE_FIELDS`` [N * num_samples, T]: ``settings`` with the call's samples per prompt and
-    per-row lengths, on the mesh, turn k drawing with ``fold_in(key, k)`` (turn 0 with ``key``).
-    Rows are padded to split over the mesh's batch shards (an episode's later turns sample only
-    the rows that called a tool); the padding's samples are dropped."""
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    """``sample(ids [N, P], mask, num_samples, max_lengths, turn, resume=None)`` -> host arrays
+    of ``SAMPLE_FIELDS`` [N * num_samples, T]: ``settings`` with the call's samples per prompt
+    and per-row lengths, on the mesh, turn k drawing with ``fold_in(key, k)`` (turn 0 with
+    ``key``). Rows are padded to split over the mesh's batch shards (an episode's later turns
+    sample only the rows that called a tool); the padding's samples are dropped.
 
-    def sample(ids, mask, num_samples, max_lengths, turn):
-        n = ids.shape[0]
+    With ``keep_cache`` (episodes of several turns) each call keeps its KV cache on the
+    devices, and a call with a ``jaxgrpo.agents.rollout.Resume`` continues the rows it names
+    from it (``resume_from_state``), prefilling only the ids appended since, not ``ids``."""
+    shards = mesh.shape["data"] * mesh.shape["fsdp"]
+    settings = dataclasses.replace(settings, keep_cache=keep_cache)
+    kept: dict[str, Any] = {}
+
+    def padded(x, extra, fill=None):
+        x = np.asarray(x)
+        tail = np.repeat(x[:1], extra, axis=0) if fill is None else np.full(extra, fill, x.dtype)
+        return np.concatenate([x, tail]) if extra else x
+
+    def sample(ids, mask, num_samples, max_lengths, turn, resume=None):
+        n = ids.shape[0] if resume is None else resume.ids.shape[0]
         extra = -n % shards
-        if extra:
-            ids = np.concatenate([ids, np.repeat(ids[:1], extra, axis=0)])
-            mask = np.concatenate([mask, np.repeat(mask[:1], extra, axis=0)])
-            if max_lengths is not None:
-                max_lengths = np.concatenate([max_lengths, np.ones(extra, np.int32)])
-        out = generate_from_state(
-            graphdef,
-            states,
-            model_cfg,
-            sharding.put_batch(ids, mesh),
-            sharding.put_batch(mask, mesh),
-            dataclasses.replace(settings, num_samples=num_samples, max_lengths=max_lengths),
-            rng=key if turn == 0 else jax.random.fold_in(key, turn),
-        )
+        if np.ndim(max_lengths) == 1:  # per prompt or per sample (a scalar is every row's)
+            per_sample = np.size(max_lengths) == n * num_samples and num_samples > 1
+            max_lengths = padded(max_lengths, extra * (num_samples if per_sample else 1), 1)
+        s = dataclasses.replace(settings, num_samples=num_samples, max_lengths=max_lengths)
+        rng = key if turn == 0 else jax.random.fold_in(key, turn)
+        put = lambda x: sharding.put_batch(padded(x, extra), mesh)  # noqa: E731
+        if resume is None:
+            out = generate_from_state(graphdef, states, model_cfg, put(ids), put(mask), s, rng=rng)
+        else:
+            r = resume
+            out = resume_from_state(
+                graphdef, states, model_cfg, kept.pop("cache"), put(r.rows), put(r.valid_until),
+                put(r.positions), put(r.ids), put(r.mask), r.width, s, rng=rng,
+            )  # fmt: skip
+        if keep_cache:
+            kept["cache"] = out.cache
         rows = n * num_samples
         return {k: sharding.to_host(getattr(out, k))[:rows] for k in SAMPLE_FIELDS}
 
@@ -239,8 +259,9 @@ def complete_episodes(
         chats, toolboxes = agent.start(padded, g)
         ids, mask = agent.tokenizer.encode_chat(chats)
         sample = mesh_sampler(
-            graphdef, states, model_cfg, mesh, settings, jax.random.fold_in(key, i)
-        )
+            graphdef, states, model_cfg, mesh, settings, jax.random.fold_in(key, i),
+            keep_cache=agent.limits.max_turns > 1,
+        )  # fmt: skip
         host, episodes = episode_arrays(
             agent, sample, toolboxes, ids, mask, g, settings.max_new_tokens
         )

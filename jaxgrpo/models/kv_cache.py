@@ -240,3 +240,63 @@ class LayerKVCache:
             next_pos=jnp.take(self.next_pos, rows, axis=0),
             index=self.index,
         )
+
+    def put(self, rows: Array, sub: LayerKVCache) -> LayerKVCache:
+        """This cache with the completion part of rows ``rows`` [M] replaced by ``sub``'s (a
+        ``take(rows)`` of it, decoded further): the sampler writes compacted rows back when a
+        later turn continues from the cache. ``sub`` has as many slots; its index is taken."""
+
+        def put(full, part):
+            axis = 1 if self.stacked else 0
+            index = (slice(None),) * axis + (rows,)
+            return full.at[index].set(part)
+
+        pairs = lambda a, b: (  # noqa: E731
+            put(a, b) if self.stacked else tuple(put(x, y) for x, y in zip(a, b, strict=True))
+        )
+        return self.replace(
+            k=pairs(self.k, sub.k),
+            v=pairs(self.v, sub.v),
+            mask=self.mask.at[rows].set(sub.mask),
+            next_pos=self.next_pos.at[rows].set(sub.next_pos),
+            index=sub.index,
+        )
+
+    def resume(
+        self, rows: Array, valid_until: Array, next_pos: Array, width: int, new_slots: int
+    ) -> LayerKVCache:
+        """Rows ``rows`` [N] for a later turn of an episode: each row's prompt, then its
+        completion slots that hold a token before slot ``valid_until`` [N] (what follows was
+        sampled past the turn's cut, so it is dropped), moved to the last of ``width`` slots in
+        order, then ``new_slots`` empty ones; the next token is written at slot ``width`` and
+        gets position ``next_pos`` [N]. Attention only sees which slots are valid and the
+        positions RoPE gave them, so the moved slots keep their meaning, as left padding does.
+        """
+        sub = self.take(rows)
+        if sub.mask.shape[1] < width:
+            sub = sub.grow(width)
+        slots = sub.mask.shape[1]
+        valid_NS = sub.mask & (jnp.arange(slots)[None, :] < valid_until[:, None])
+        # Invalid slots first, valid ones after them in order: the last `width` are the row's.
+        order_NS = jnp.argsort(valid_NS.astype(jnp.int8), axis=1, stable=True)
+        order_NW = order_NS[:, slots - width :]
+
+        def gather(slot_axis):
+            def fn(x, row_axis):
+                shape = [1] * x.ndim
+                shape[row_axis], shape[x.ndim + slot_axis] = order_NW.shape
+                moved = jnp.take_along_axis(x, order_NW.reshape(shape), axis=slot_axis)
+                widths = [(0, 0)] * x.ndim
+                widths[x.ndim + slot_axis] = (0, new_slots)
+                return jnp.pad(moved, widths)
+
+            return fn
+
+        mask_NW = jnp.take_along_axis(valid_NS, order_NW, axis=1)
+        return sub.replace(
+            k=sub._each(sub.k, gather(-1)),
+            v=sub._each(sub.v, gather(-2)),
+            mask=jnp.pad(mask_NW, ((0, 0), (0, new_slots))),
+            next_pos=next_pos.astype(jnp.int32),
+            index=jnp.asarray(width, jnp.int32),
+        )

@@ -14,6 +14,7 @@ are counted analytically (``flops``), since XLA's cost analysis counts a loop bo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import re
@@ -38,14 +39,14 @@ from jaxgrpo.rl import held_out
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.programs import abstract_array
 from jaxgrpo.sampling import sampler_programs
+from jaxgrpo.sampling.generate import resume_programs
 from jaxgrpo.settings.model import model_config
 
-COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
-                "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}  # fmt: skip
 # Characters per token of the tools' description (no model tokenizer is loaded): a large-vocab
 # tokenizer's rate on JSON and English (Llama 3's 128k; SmolLM2's 49k takes 3.6 on the python tool).
 TOOL_CHARS_PER_TOKEN = 4
+# Tokens a turn's rendered results add around their text (tags, role headers), at most.
+RESULT_TAG_TOKENS = 32
 
 
 def topology_devices(preset: presets.Preset) -> list:
@@ -74,7 +75,8 @@ def abstract_learner(cfg: Any, mesh, model_cfg: ModelConfig) -> Learner:
     """A ``Learner`` over an abstract, sharded model: its programs lower, nothing runs."""
     model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     model.shard_ctx = sharding.ShardingCtx(mesh, sharding.TRAIN_RULES)
-    return Learner(cfg, model, tiny_tokenizer(), SimpleNamespace(name="abstract"), None, mesh)
+    tok, task = tiny_tokenizer(), SimpleNamespace(name="abstract")
+    return Learner(cfg, model, tok, task, None, mesh, agent=Agent.from_config(cfg.agent, tok))
 
 
 def _abstract_like(x, sharding_):
@@ -110,10 +112,11 @@ class Program:
     oom: str | None = None
 
 
-def _compile(name, jitted, args, calls, flops, weight_bytes, loop_trips=1) -> Program:
-    """Lowers and compiles ``jitted`` on ``args``; ``flops`` is (hardware, model) FLOPs."""
+def _compile(name, jitted, args, calls, flops, weight_bytes, loop_trips=1, kwargs=None) -> Program:
+    """Lowers and compiles ``jitted`` on ``args`` (and static ``kwargs``); ``flops`` is
+    (hardware, model) FLOPs."""
     start = time.perf_counter()
-    lowered = jitted.lower(*args)
+    lowered = jitted.lower(*args, **(kwargs or {}))
     mid = time.perf_counter()
     oom = None
     try:
@@ -148,16 +151,14 @@ def _knobs(knobs, replicated):
     return jax.tree.map(lambda x: abstract_array(x, replicated), knobs)
 
 
-def tool_prompt_tokens(agent: Any) -> int:
+def tool_prompt_tokens(agent: Agent | None) -> int:
     """Tokens the tools' description adds to a prompt at ``TOOL_CHARS_PER_TOKEN`` (0: none)."""
-    if not agent.enabled:
-        return 0
-    tools = Agent.from_names(agent.tools, agent.environment, tiny_tokenizer(), format=agent.format)
-    return math.ceil(len(tools.instructions) / TOOL_CHARS_PER_TOKEN)
+    return 0 if agent is None else math.ceil(len(agent.instructions) / TOOL_CHARS_PER_TOKEN)
 
 
-def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> list[Program]:
-    """Compiles one ``generate_from_state`` call's prefill and decode, run ``calls`` times."""
+def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> tuple[list, Any]:
+    """Compiles one ``generate_from_state`` call's prefill and decode, run ``calls`` times;
+    and the decode's abstract output (None if it did not fit)."""
     step, mesh = learner.programs, learner.mesh
     cfg = step.model_cfg
     ids = abstract_array(
@@ -166,13 +167,25 @@ def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> 
     prefill, decode, knobs = sampler_programs(step.graphdef, cfg, ids, settings)
     knobs = _knobs(knobs, step.replicated)
     states = (step.params0, step.frozen)
-    rng = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=step.replicated)
     n, t = prompts * settings.num_samples, settings.max_new_tokens
     f = flops.prefill(cfg, prompts, prompt_len), flops.decode(cfg, n, prompt_len, t)
     f = (f[0], f[0]), (f[1], f[1])
     w = flops.weight_bytes(cfg) / devices
-    first = _compile(f"{name}/prefill", prefill, (states, ids, ids, knobs, rng), calls, f[0], w)
-    state = jax.eval_shape(prefill, states, ids, ids, knobs, rng)
+    args = (states, ids, ids, knobs, _RNG(step))
+    first = _compile(f"{name}/prefill", prefill, args, calls, f[0], w)
+    state = jax.eval_shape(prefill, *args)
+    second, out = _decode(learner, name, decode, first, state, knobs, calls, f[1], t)
+    return [first, second], out
+
+
+def _RNG(step):  # noqa: N802
+    return jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=step.replicated)
+
+
+def _decode(learner, name, decode, first, state, knobs, calls, f, t) -> tuple[Program, Any]:
+    """The decode program after ``first`` (a prefill or a later turn's resume, whose abstract
+    output is ``state``), and its own abstract output."""
+    step, mesh = learner.programs, learner.mesh
     if first.compiled is not None:
         state = jax.tree.map(_abstract_like, state, first.compiled.output_shardings)
     else:  # prefill did not fit: rows over data x fsdp, as the compiler would place them
@@ -180,22 +193,46 @@ def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> 
             sharding.batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else step.replicated
         )  # noqa: E731
         state = jax.tree.map(lambda x: _abstract_like(x, rows(x)), state)
-    decode_w = flops.weight_bytes(cfg) / mesh.shape["tensor"] * t  # read once per token
-    second = _compile(f"{name}/decode", decode, (states, state, knobs), calls, f[1], decode_w, t)
-    return [first, second]
+    decode_w = flops.weight_bytes(step.model_cfg) / mesh.shape["tensor"] * t  # once per token
+    states = (step.params0, step.frozen)
+    second = _compile(f"{name}/decode", decode, (states, state, knobs), calls, f, decode_w, t)
+    out = None
+    if second.compiled is not None:
+        out = jax.eval_shape(decode, states, state, knobs)
+        out = jax.tree.map(_abstract_like, out, second.compiled.output_shardings)
+    return second, out
 
 
-def _continuation(learner: Learner, p: int, t: int, devices: int) -> list[Program]:
+def _continuation(learner: Learner, p: int, t: int, first_turn: Any) -> list[Program]:
     """Compiles the sampler of an episode's later turns (``jaxgrpo.agents.rollout``) at its
-    largest: every row calls a tool (padded as there and in ``Learner.turn_sampler``), each from
-    the prompt bucket and up to T - 1 episode ids, one sample with its own budget per row."""
-    rl, mesh = learner.rl, learner.mesh
+    largest: every row calls a tool (padded as there), each continued from the first turn's
+    kept cache (``first_turn``, the decode's abstract output) with up to T - 1 earlier ids and
+    an appended chunk of its last kept id and ``agent.max_tool_tokens`` of results plus
+    ``RESULT_TAG_TOKENS`` of the format's text, then one sample with its own budget."""
+    rl, mesh, step = learner.rl, learner.mesh, learner.programs
     rows = bucket_length(rl.prompts_per_step * rl.group_size, 1)
     rows += -rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    budgets = np.full(rows, t, np.int32)
-    settings = dataclasses.replace(learner.sampler_settings(0), num_samples=1, max_lengths=budgets)
-    turns, width = learner.cfg.agent.max_turns - 1, bucket_length(p + t - 1)
-    return _sampler(learner, "continue", rows, width, settings, devices, turns)
+    settings = dataclasses.replace(
+        learner.sampler_settings(0), max_lengths=np.full(rows, t, np.int32)
+    )
+    k = bucket_length(1 + learner.cfg.agent.max_tool_tokens + RESULT_TAG_TOKENS, 1)
+    batch = lambda shape: abstract_array(  # noqa: E731
+        np.zeros(shape, np.int32), sharding.batch_sharding(mesh, rows, len(shape))
+    )
+    ids = batch((rows, k))
+    resume, decode, knobs = resume_programs(step.graphdef, step.model_cfg, ids, settings)
+    knobs = _knobs(knobs, step.replicated)
+    states, cache = (step.params0, step.frozen), first_turn.cache
+    args = (states, cache, batch((rows,)), batch((rows,)), batch((rows,)), ids, ids, knobs)
+    args += (_RNG(step),)
+    width = bucket_length(t - 1, 16)
+    cfg, turns = step.model_cfg, learner.cfg.agent.max_turns - 1
+    context = p + width + k
+    f = (flops.prefill(cfg, rows, k),) * 2, (flops.decode(cfg, rows, context, t),) * 2
+    w = flops.weight_bytes(cfg) / mesh.size
+    first = _compile("continue/resume", resume, args, turns, f[0], w, kwargs={"width": width})
+    state = jax.eval_shape(functools.partial(resume, width=width), *args)
+    return [first, _decode(learner, "continue", decode, first, state, knobs, turns, f[1], t)[0]]
 
 
 def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
@@ -205,10 +242,13 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
     b, n, d = rl.prompts_per_step, rl.prompts_per_step * rl.group_size, learner.mesh.size
     want = lambda name: wanted is None or name.startswith(tuple(wanted))  # noqa: E731
     programs = []
-    if want("sample"):
-        programs += _sampler(learner, "sample", b, p, learner.sampler_settings(0), d)
-    if learner.cfg.agent.enabled and learner.cfg.agent.max_turns > 1 and want("continue"):
-        programs += _continuation(learner, p, t, d)  # an episode's later turns
+    episodes = learner.keeps_cache  # an episode's later turns continue each call's cache
+    settings = dataclasses.replace(learner.sampler_settings(0), keep_cache=episodes)
+    if want("sample") or (episodes and want("continue")):
+        sampled, first_turn = _sampler(learner, "sample", b, p, settings, d)
+        programs += sampled if want("sample") else []
+    if episodes and want("continue") and first_turn is not None:
+        programs += _continuation(learner, p, t, first_turn)
     batch = step.abstract_batch(p, t)
     inputs = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask, batch.temps)
     score = (step.params0, step.frozen, *inputs, batch.packing, batch.shared_ids)
@@ -228,7 +268,7 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         calls = rl.ppo_epochs * rl.num_minibatches
         programs.append(_compile("update", step.update, args, calls, f, 3 * w))
     if want("eval"):
-        programs += _sampler(learner, "eval", n, p, held_out.sampler_settings(learner), d)
+        programs += _sampler(learner, "eval", n, p, held_out.sampler_settings(learner), d)[0]
     return programs
 
 
@@ -254,7 +294,7 @@ def compile_step(
     mesh = sharding.make_mesh(shape, devices)
     model_cfg = model_config(cfg.model, platform)
     learner = abstract_learner(cfg, mesh, model_cfg)
-    tool_tokens = tool_prompt_tokens(cfg.agent)
+    tool_tokens = tool_prompt_tokens(learner.agent)
     p, t = bucket_length(prompt_len + tool_tokens), cfg.sampling.max_new_tokens
     programs = _step_programs(learner, p, t, only)
     rules = sharding.sampling_rules(mesh, flops.weight_bytes(model_cfg))
@@ -279,122 +319,3 @@ def compile_step(
         layer_loop=model_cfg.layout.layer_loop,
     )
     return programs, facts
-
-
-# ----------------------------------------------------------------------------------------------
-# The compiled HLO: collectives per computation, while loops and their trip counts.
-
-_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\(")
-_SHAPE = re.compile(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]")
-_CALLS = re.compile(r"(?:calls|to_apply|body|condition|branch_computations)=\{?([%\w.\-, ]+)\}?")
-_WHILE = re.compile(r"body=%?([\w.\-]+)")
-_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-_COND = re.compile(r"condition=%?([\w.\-]+)")
-_CONSTANT = re.compile(r"= s32\[\]\S* constant\((\d+)\)")
-
-
-def _counted_trips(comps: dict, while_line: str) -> int | None:
-    """A loop's trip count: XLA's ``known_trip_count``, else the bound of a condition that is
-    one ``counter < constant`` (a ``lax.scan``, whose count XLA:TPU does not annotate)."""
-    trips = _TRIPS.search(while_line)
-    if trips:
-        return int(trips.group(1))
-    cond = _COND.search(while_line)
-    lines = [line for _, _, line in comps.get(cond.group(1), [])] if cond else []
-    bounds = [int(m.group(1)) for m in map(_CONSTANT.search, lines) if m]
-    compares = [line for line in lines if " compare(" in line]
-    if len(bounds) == 1 and len(compares) == 1 and "direction=LT" in compares[0]:
-        return bounds[0]
-    return None
-
-
-def _bytes_of(type_text: str) -> int:
-    total = 0
-    for dtype, dims in _SHAPE.findall(type_text):
-        count = 1
-        for x in filter(None, dims.split(",")):
-            count *= int(x)
-        total += count * _DTYPE_BYTES.get(dtype, 4)
-    return total
-
-
-def _parse(hlo: str) -> tuple[dict, str]:
-    """{computation: [(op, bytes, line)]} and the entry computation's name."""
-    comps: dict[str, list] = {}
-    entry, current = "", None
-    for line in hlo.splitlines():
-        m = _COMP.match(line)
-        if m and "=" not in line.split("(")[0]:
-            current = m.group(1)
-            comps[current] = []
-            if line.startswith("ENTRY"):
-                entry = current
-            continue
-        i = _INSTR.match(line)
-        if current is not None and i:
-            comps[current].append((i.group(2), _bytes_of(i.group(1)), line))
-    return comps, entry
-
-
-def _kind(op: str) -> str | None:
-    base = op.removesuffix("-start")
-    return base if base in COLLECTIVES else None
-
-
-def collectives(hlo: str, unknown_trips: int = 1) -> dict[str, Any]:
-    """Collectives of a compiled program: whole program (weighted by loop trip counts) and the
-    first top-level while loop's body (once, i.e. one decode step for the sampler's loop, with
-    the loops inside it, such as the scan over layers, weighted by their trip counts).
-
-    Returns:
-      ``{"program": {kind: {count, bytes}}, "loop_body": {...}, "loops": n}``; ``count`` and
-      ``bytes`` in ``program`` are per execution (loop bodies times their trips; the top-level
-      loops whose count XLA does not know share ``unknown_trips`` evenly, a nested one runs
-      once per enclosing iteration).
-    """
-    comps, entry = _parse(hlo)
-    total: dict[str, dict] = {}
-    body_first: dict[str, dict] = {}
-    loops = 0
-
-    def add(into, kind, size, times):
-        slot = into.setdefault(kind, {"count": 0, "bytes": 0})
-        slot["count"] += times
-        slot["bytes"] += size * times
-
-    def walk(name, times, into_body, body_times, seen):
-        """``times``: executions per program run; ``body_times``: per decode step."""
-        nonlocal loops
-        if name in seen or name not in comps:
-            return
-        seen = seen | {name}
-        for op, size, line in comps[name]:
-            kind = _kind(op)
-            if kind:
-                add(total, kind, size, times)
-                if into_body is not None:
-                    add(into_body, kind, size, body_times)
-            if op == "while":
-                body = _WHILE.search(line).group(1)
-                trips = _counted_trips(comps, line)
-                # Only a top-level loop is the sampler's decode loop; a nested loop that
-                # cannot be counted (a sort, a search) counts once per enclosing iteration.
-                n = trips if trips is not None else unknown_trips if name == entry else 1
-                first, first_times = into_body, body_times * n
-                if into_body is None and loops == 0 and name == entry:
-                    first, first_times = body_first, 1  # one decode step: its layer scan x L
-                if name == entry:
-                    loops += 1
-                walk(body, times * n, first, first_times, seen)
-                continue
-            for group in _CALLS.findall(line):
-                for callee in group.replace("%", "").split(","):
-                    walk(callee.strip(), times, into_body, body_times, seen)
-
-    # The compaction levels' loops share the decode's T steps between them.
-    top = [line for op, _, line in comps.get(entry, []) if op == "while"]
-    uncounted = sum(_counted_trips(comps, x) is None for x in top)
-    unknown_trips = max(1, unknown_trips // max(1, uncounted))
-    walk(entry, 1, None, 1, frozenset())
-    return {"program": total, "loop_body": body_first, "loops": loops}

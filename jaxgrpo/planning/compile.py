@@ -8,8 +8,9 @@ verdict, headroom and the knob to turn when it does not fit; analytic FLOPs; the
 the compiled HLO (and in the decode loop's body: one decode step); compile time; and a roofline
 estimate of its time and of the step's model FLOP utilisation (an estimate from the published
 chip figures, not a measurement). A run with tools (``agent``) has longer prompts (the tools'
-description is added to ``--prompt_len``) and one more sampler, ``continue``: an episode's
-later turns, every row from a context of up to the prompt and the whole budget. A table on
+description is added to ``--prompt_len``), a first-turn decode that keeps its KV cache, and
+one more sampler, ``continue``: an episode's later turns, every row resumed from that cache
+with a result appended (``resume``), then decoded. A table on
 stdout, everything with ``--json OUT``; ``--table`` compiles a models x slices grid
 (``TABLE_MODELS`` x ``TABLE_SLICES``) instead.
 """
@@ -90,7 +91,7 @@ def _collectives_text(coll: dict) -> str:
 
 def _program_row(p, cfg: Any, facts: dict, chip) -> dict[str, Any]:
     """One program's report: memory and verdict, FLOPs, collectives, times, estimate."""
-    from jaxgrpo.planning import aot  # jax-dependent: imported after the devices are set
+    from jaxgrpo.planning import aot, hlo  # jax-dependent: imported after the devices are set
 
     if p.compiled is None:  # refused by the compiler: only the bytes it needed are known
         need, _ = aot.oom_bytes(p.oom)
@@ -99,7 +100,7 @@ def _program_row(p, cfg: Any, facts: dict, chip) -> dict[str, Any]:
         coll, xla_flops = {"program": {}, "loop_body": {}, "loops": 0}, 0.0
     else:
         mem = _memory(p.compiled)
-        coll = aot.collectives(p.compiled.as_text(), p.loop_trips)
+        coll = hlo.collectives(p.compiled.as_text(), p.loop_trips)
         xla_flops = float(p.compiled.cost_analysis().get("flops", 0.0))
     per_chip = p.flops / facts["devices"]
     terms = dict(

@@ -152,6 +152,12 @@ class Learner:
             state = state.replace(opt_state=self.programs.opt_init(state.params))
         return state
 
+    @property
+    def keeps_cache(self) -> bool:
+        """Whether the sampler keeps each call's KV cache: an episode's later turns go on
+        from it."""
+        return self.agent is not None and self.agent.limits.max_turns > 1
+
     def sampler_settings(self, step: int) -> SamplerSettings:
         """The step's rollout settings: the run's (`sampler`) at the step's temperature."""
         return dataclasses.replace(self.sampler, temperature=self._temperature(step))
@@ -217,11 +223,13 @@ class Learner:
 
     def turn_sampler(self, state: TrainState, settings: SamplerSettings, key) -> Callable:
         """The policy's sampler on the mesh for one step's rollouts (``mesh_sampler``): one
-        call per turn of an episode, or the single call of a step without tools."""
+        call per turn of an episode (each keeping its KV cache for the next), or the single
+        call of a step without tools."""
         p = self.programs
         return mesh_sampler(
-            p.graphdef, (state.params, p.frozen), p.model_cfg, self.mesh, settings, key
-        )
+            p.graphdef, (state.params, p.frozen), p.model_cfg, self.mesh, settings, key,
+            keep_cache=self.keeps_cache,
+        )  # fmt: skip
 
     def collect(self, state, examples, key, step, draw, timer) -> tuple[ro.Rollout, int]:
         """Sampling rounds; with dynamic sampling, refills zero-variance groups from `draw`."""

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 from flax import nnx
 
-from jaxgrpo.agents import Agent, AgentLimits
+from jaxgrpo.agents import Agent
 from jaxgrpo.core import sharding
 from jaxgrpo.core.host import initialize_distributed
 from jaxgrpo.data import TASKS, get_task
@@ -129,21 +129,6 @@ def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> li
             spec = (perplexity, spec[1])
         out.append(spec)
     return out
-
-
-def build_agent(cfg: config_lib.AgentConfig, tokenizer: Any) -> Agent | None:
-    """The run's ``Agent`` (its tools resolved, their schemas built), or None when the run has
-    neither tools nor an environment."""
-    if not cfg.enabled:
-        return None
-    return Agent.from_names(
-        cfg.tools,
-        cfg.environment,
-        tokenizer,
-        format=cfg.format,
-        limits=AgentLimits(cfg.max_turns, cfg.max_tool_tokens, cfg.tool_timeout_s),
-        reward_weight=cfg.environment_reward_weight,
-    )
 
 
 def build_rewards(

@@ -48,6 +48,7 @@ import jax
 from etils import epath
 from tqdm.auto import tqdm
 
+from jaxgrpo.agents import Agent
 from jaxgrpo.agents.episode import turn_records
 from jaxgrpo.core.errors import UserError
 from jaxgrpo.core.host import prepare_cli
@@ -58,7 +59,6 @@ from jaxgrpo.eval.completions import Settings, sample, sample_episodes
 from jaxgrpo.rewards.inputs import reward_inputs
 from jaxgrpo.rl.step_metrics import agent_metrics
 from jaxgrpo.run.build import (
-    build_agent,
     build_mesh,
     build_rewards,
     build_task,
@@ -225,7 +225,7 @@ def load_scored_policy(cfg: Any, run_dir: str | None, mesh, model_source=None, c
     run's reward functions (model-based ones bound to the untrained model) and its ``Agent``
     (None without tools), as in training."""
     model, tokenizer, _ = load_policy(cfg, None, mesh, model_source, cache=cache)
-    agent = build_agent(cfg.agent, tokenizer)
+    agent = Agent.from_config(cfg.agent, tokenizer)
     reward_set = build_rewards(cfg.rewards, model, tokenizer, agent)
     step = restore_params(cfg, model, tokenizer, run_dir, mesh) if run_dir else 0
     return model, tokenizer, reward_set, step, agent

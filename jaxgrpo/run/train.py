@@ -28,6 +28,7 @@ from absl import app, flags
 from absl import logging as absl_logging
 from ml_collections import config_flags
 
+from jaxgrpo.agents import Agent
 from jaxgrpo.core.errors import one_line_errors
 from jaxgrpo.core.host import cache_off_why, prepare_cli
 from jaxgrpo.rl.checkpoint import Checkpointer
@@ -45,7 +46,6 @@ from jaxgrpo.rl.run_log import (
 from jaxgrpo.run import plot
 from jaxgrpo.run.build import (
     MODEL_ALIASES,
-    build_agent,
     build_mesh,
     build_model,
     build_rewards,
@@ -278,7 +278,7 @@ def build_parts(cfg: TrainConfig) -> dict[str, Any]:
     task = build_task(cfg.task)
     task.eval_examples()
     model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
-    agent = build_agent(cfg.agent, tokenizer)
+    agent = Agent.from_config(cfg.agent, tokenizer)
     rewards = build_rewards(cfg.rewards, model, tokenizer, agent)
     learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent)
     return {"learner": learner, "task": task, "mesh": mesh}

@@ -11,6 +11,7 @@ from jaxgrpo.sampling.generate import (
     generate,
     generate_from_state,
     make_knobs,
+    resume_from_state,
     sampler_programs,
 )
 from jaxgrpo.sampling.loop import Knobs, LoopConfig, SamplingState, StopReason, decode, prefill
@@ -45,6 +46,7 @@ __all__ = [
     "make_schedule",
     "piecewise",
     "prefill",
+    "resume_from_state",
     "sampler_programs",
     "select_tokens",
     "temperatures",

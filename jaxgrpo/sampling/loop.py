@@ -63,6 +63,8 @@ class LoopConfig:
         so a step attends the slots written so far rounded up to a size, not all T. Loops
         after a compaction keep the cache at its full size. () = T slots from the start. The
         result is the same either way.
+      keep_cache: the final state keeps the cache of every row (compacted rows written back
+        with ``cache.put(rows, sub)``), for a later turn of an episode to continue from.
     """
 
     max_new_tokens: int
@@ -72,6 +74,7 @@ class LoopConfig:
     repetition_ngram: int = 0
     compact_rows: tuple[int, ...] = ()
     cache_sizes: tuple[int, ...] = ()
+    keep_cache: bool = False
 
     def __post_init__(self):
         sizes = self.cache_sizes
@@ -287,10 +290,14 @@ def _take_rows(state: SamplingState, knobs: Knobs, rows_M: Array) -> tuple[Sampl
     return sub, knobs
 
 
-def _put_rows(state: SamplingState, rows_M: Array, sub: SamplingState) -> SamplingState:
-    """Writes the rows decoded by ``sub`` back; the cache stays the one before compaction."""
+def _put_rows(
+    state: SamplingState, rows_M: Array, sub: SamplingState, keep_cache: bool
+) -> SamplingState:
+    """Writes the rows decoded by ``sub`` back; the cache too with ``keep_cache``, else it
+    stays the one before compaction."""
     put = {f: getattr(state, f).at[rows_M].set(getattr(sub, f)) for f in ROW_FIELDS}
-    return state.replace(step=sub.step, **put)
+    cache = state.cache.put(rows_M, sub.cache) if keep_cache else state.cache
+    return state.replace(step=sub.step, cache=cache, **put)
 
 
 def decode(
@@ -302,8 +309,9 @@ def decode(
     are running; M rows, all the running ones and then finished ones, in row order, are
     gathered (``cache.take``) and a second loop decodes them, compacting again at the next
     count, and so on. The returned state holds every row's tokens; its cache is then the
-    R-row cache as it was at the first compaction. With ``cfg.cache_sizes``, the loop over all
-    rows is one loop per cache size, the cache grown between them.
+    R-row cache as it was at the first compaction, or with ``cfg.keep_cache`` every row's
+    to its end. With ``cfg.cache_sizes``, the loop over all rows is one loop per cache size,
+    the cache grown between them.
 
     Args:
       step_fn: as in ``prefill``; called on [R, 1] token batches.
@@ -353,6 +361,7 @@ def decode(
         pick_M = jnp.sort(jnp.argsort(s.done_R, stable=True)[:m]).astype(jnp.int32)
         sub, sub_knobs = _take_rows(s, kn, pick_M)
         rows_M = pick_M if rows is None else jnp.take(rows, pick_M)
-        return _put_rows(s, pick_M, compacting(sub, sub_knobs, rows_M, levels[1:]))
+        done = compacting(sub, sub_knobs, rows_M, levels[1:])
+        return _put_rows(s, pick_M, done, cfg.keep_cache)
 
     return compacting(state, knobs, None, cfg.compact_rows)

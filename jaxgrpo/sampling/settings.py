@@ -40,6 +40,8 @@ class SamplerSettings:
       cache_sizes: increasing completion-cache sizes ending at T, grown through as tokens are
         written (static); None = ``auto_cache_sizes``, () = T slots from the start.
         The completions are the same whatever ``compact_rows`` and ``cache_sizes``.
+      keep_cache: return the KV cache (``SampleOutput.cache``) for a later turn of an
+        episode to continue from (static).
     """
 
     max_new_tokens: int
@@ -56,6 +58,7 @@ class SamplerSettings:
     cache_dtype: str | None = None
     compact_rows: int | Sequence[int] | None = None
     cache_sizes: Sequence[int] | None = None
+    keep_cache: bool = False
 
     @classmethod
     def for_tokenizer(cls, tokenizer: Any, **fields: Any) -> SamplerSettings:

@@ -35,7 +35,7 @@ class Scripted:
         self.call_turn = _encode(tok, "Let me compute <calc>3*4+5</calc> then I go on rambling")
         self.answer = [*_encode(tok, "<answer>17</answer>"), eos]
 
-    def __call__(self, ids, mask, num_samples, max_lengths, turn):
+    def __call__(self, ids, mask, num_samples, max_lengths, turn, resume=None):
         self.calls.append((np.asarray(ids), np.asarray(mask), num_samples, max_lengths, turn))
         n = ids.shape[0] * num_samples
         turns = [self.call_turn if (turn == 0 and r == 0) else self.answer for r in range(n)]
@@ -122,7 +122,7 @@ def test_a_long_result_is_cut_and_counted(tok):
     call = _encode(tok, "<shout>ab</shout>")
     answer = [*_encode(tok, "ok"), tok.eos_ids[0]]
 
-    def policy(ids, mask, num_samples, max_lengths, turn):
+    def policy(ids, mask, num_samples, max_lengths, turn, resume=None):
         turn_ids = call if turn == 0 else answer
         tokens = np.zeros((1, T), np.int32)
         tokens[0, : len(turn_ids)] = turn_ids
@@ -162,7 +162,7 @@ def test_greedy_continuation_equals_greedy_decoding_of_the_whole_context(tok):
     greedy = model_sampler(functools.partial(generate, model), settings, jax.random.key(0))
     script = Scripted(tok)
 
-    def policy(ids, mask, num_samples, max_lengths, turn):
+    def policy(ids, mask, num_samples, max_lengths, turn, resume=None):
         if turn == 0:
             out = script(ids, mask, num_samples, max_lengths, turn)
             out.tokens, out.lengths = out.tokens[:1], out.lengths[:1]
@@ -191,3 +191,80 @@ def test_greedy_continuation_equals_greedy_decoding_of_the_whole_context(tok):
     np.testing.assert_allclose(
         batch.logprobs[0, len(so_far) : len(so_far) + n], alone.logprobs[0, :n], atol=1e-5
     )
+
+
+class EveryTurnCalls:
+    """A format whose every turn calls ``echo`` (the tiny random model writes no real calls):
+    each turn is kept whole and answered by ``<r>ok</r>``."""
+
+    def stop_strings(self):
+        return ()
+
+    def parse(self, text):
+        from jaxgrpo.agents.formats import ToolCall
+
+        return [ToolCall(name="echo", arguments={}, raw=text)]
+
+    def render_results(self, texts):
+        return "".join(f"<r>{text}</r>" for _, text in texts)
+
+
+@pytest.mark.parametrize("shape", [{"data": 1}, {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_episodes_from_the_kept_cache_score_as_one_pass(tok, shape):
+    """Episodes of three turns of the tiny model's own samples (temperature 1) through
+    `mesh_sampler`, each later turn continued from the cache of the turn before (rows of
+    different lengths, compacted and padded; on one device and sharded over 8) after a
+    result: the log-prob the sampler gave each drawn id equals one forward pass over prompt
+    and whole episode (1e-5, float32)."""
+    import jax
+    from flax import nnx
+
+    from jaxgrpo.core.sharding import make_mesh
+    from jaxgrpo.eval.completions import mesh_sampler
+    from jaxgrpo.models.tiny import tiny_model
+    from jaxgrpo.sampling import SamplerSettings
+
+    def echo() -> str:
+        """Says ok."""
+        return "ok"
+
+    devices = jax.devices()[: int(np.prod(list(shape.values())))]
+    mesh = make_mesh(shape, devices)
+    model, _ = tiny_model(seed=0, mesh=mesh if len(devices) > 1 else None)
+    graphdef, state = nnx.split(model)
+    settings = SamplerSettings.for_tokenizer(tok, max_new_tokens=T, temperature=1.0)
+    sample = mesh_sampler(
+        graphdef, (state,), model.cfg, mesh, settings, jax.random.key(0), keep_cache=True
+    )
+    turn_lengths = np.asarray([3, 7, 5, 9])  # each row's turns stop after this many ids
+
+    def short_turns(ids, mask, num_samples, max_lengths, turn, resume=None):
+        rows = ids.shape[0] * num_samples if resume is None else resume.ids.shape[0]
+        cap = np.resize(turn_lengths + turn, rows).astype(np.int32)
+        budget = cap if max_lengths is None else np.minimum(max_lengths, cap)
+        return sample(ids, mask, num_samples, budget, turn, resume)
+
+    ids, mask = tok.encode(["What is 3*4+5?", "Hi"])
+    boxes = [Toolbox([echo]) for _ in range(4)]
+    batch = run_episodes(
+        lambda *a: types.SimpleNamespace(**short_turns(*a)),
+        tok,
+        EveryTurnCalls(),
+        boxes,
+        ids,
+        mask,
+        group=2,
+        max_new_tokens=T,
+        limits=AgentLimits(max_turns=3),
+    )
+    assert [e.num_turns for e in batch.episodes] == [3] * 4
+    for r in range(4):
+        prompt = ids[r // 2][mask[r // 2] != 0].tolist()
+        n = int(batch.lengths[r])
+        seq = np.asarray([prompt + batch.tokens[r, :n].tolist()], np.int32)
+        logits = model.logits(model.forward(seq))[0, len(prompt) - 1 : -1]
+        logp = jax.nn.log_softmax(logits.astype(np.float32), axis=-1)
+        want = np.take_along_axis(np.asarray(logp), batch.tokens[r, :n, None], axis=1)[:, 0]
+        drawn = batch.model_mask[r, :n] == 1
+        assert drawn.sum() == 3 * (turn_lengths[r] + 1) and (~drawn).sum() > 0
+        np.testing.assert_allclose(batch.logprobs[r, :n][drawn], want[drawn], atol=1e-5)

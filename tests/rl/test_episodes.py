@@ -203,10 +203,12 @@ def agent_run():
     def turn_sampler(state, settings, key):
         sample = real(state, settings, key)
 
-        def scripted(ids, mask, num_samples, max_lengths, turn):
-            out = {
-                k: np.array(v) for k, v in sample(ids, mask, num_samples, max_lengths, turn).items()
-            }
+        def scripted(ids, mask, num_samples, max_lengths, turn, resume=None):
+            # Later turns sample the whole context afresh: the cache of turn 0 holds what the
+            # model drew, not the scripted call (tests/agents/test_rollout.py checks turns
+            # continued from the cache against one pass).
+            out = sample(ids, mask, num_samples, max_lengths, turn)
+            out = {k: np.array(v) for k, v in out.items()}
             if turn == 0:  # every row writes the call
                 out["tokens"][:] = tok.pad_id
                 out["tokens"][:, : len(call_ids)] = call_ids
