@@ -11,6 +11,7 @@ import pytest
 from jaxgrpo.agents import Toolbox, calc, get_format
 from jaxgrpo.agents.rollout import AgentLimits, run_episodes, turn_end
 from jaxgrpo.models.tiny import tiny_tokenizer
+from jaxgrpo.models.tokenizer import bucket_length
 
 T = 64
 LOGP = -0.5
@@ -30,13 +31,14 @@ class Scripted:
     drop); every later turn, and row 1's first, answers and stops. Records each call."""
 
     def __init__(self, tok):
-        self.tok, self.calls = tok, []
+        self.tok, self.calls, self.resumes = tok, [], []
         eos = tok.eos_ids[0]
         self.call_turn = _encode(tok, "Let me compute <calc>3*4+5</calc> then I go on rambling")
         self.answer = [*_encode(tok, "<answer>17</answer>"), eos]
 
     def __call__(self, ids, mask, num_samples, max_lengths, turn, resume=None):
         self.calls.append((np.asarray(ids), np.asarray(mask), num_samples, max_lengths, turn))
+        self.resumes.append(resume)
         n = ids.shape[0] * num_samples
         turns = [self.call_turn if (turn == 0 and r == 0) else self.answer for r in range(n)]
         tokens = np.zeros((n, T), np.int32)
@@ -98,6 +100,15 @@ def test_the_continuation_is_sampled_from_prompt_and_episode_within_the_budget(t
     assert ctx[0][ctx_mask[0] != 0].tolist() == prompt + so_far
     assert (ctx_mask[0][: -len(prompt + so_far)] == 0).all(), "left-padded"
     assert budget.tolist() == [T - len(so_far)]
+    # From the cache: row 0 of turn 0 goes on; its turn's ids before the last kept one are
+    # in the cache (slots 0 .. keep - 2), and the chunk re-feeds that id, then the result.
+    keep = turn_end(tok, policy.call_turn, ("</calc>",))
+    resume = policy.resumes[1]
+    assert policy.resumes[0] is None and resume.rows.tolist() == [0]
+    assert resume.valid_until.tolist() == [keep - 1] and resume.width == bucket_length(keep - 1)
+    assert resume.positions.tolist() == [len(prompt) + keep - 1]
+    chunk = [policy.call_turn[keep - 1], *_encode(tok, "<result>17</result>")]
+    assert resume.ids[0][resume.mask[0] != 0].tolist() == chunk
 
 
 def test_max_turns_ends_the_episode_at_the_call(tok):
