@@ -157,12 +157,6 @@ def _left_padded(rows: Sequence[list[int]], pad_id: int, min_bucket: int) -> tup
     return ids, mask
 
 
-def _padded_rows(n: int) -> int:
-    """Rows a continuation samples for ``n`` live rows: the next power of two, so the sampler
-    compiles one program per size, not one per count."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def run_episodes(
     sample: Sampler,
     tokenizer: Any,
@@ -220,23 +214,26 @@ def run_episodes(
         if not going:
             break
         live = going
-        extra = _padded_rows(len(live)) - len(live)
+        # Every later turn has the batch's rows (those that did not call padded with a
+        # budget of 1) and one cache width, so its programs compile once per result width.
+        extra = n_rows - len(live)
         contexts = [rows[r].prompt + rows[r].ids for r in live]
         budget = [max_new_tokens - len(rows[r].ids) for r in live]
         ids, mask = _left_padded(contexts + contexts[:1] * extra, tokenizer.pad_id, 16)
-        step = _resume(resume, [rows[r] for r in live], extra, tokenizer.pad_id)
+        step = _resume(resume, [rows[r] for r in live], extra, tokenizer.pad_id, max_new_tokens)
         start = step.width + step.ids.shape[1]
         out = sample(ids, mask, 1, np.asarray(budget + [1] * extra, np.int32), turn + 1, step)
     return _as_batch(rows, max_new_tokens, tokenizer.pad_id, eos)
 
 
-def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: int) -> Resume:
+def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: int, t: int):
     """The ``Resume`` of a later turn: ``going`` holds (row in the previous call, slots it
     keeps, its chunk) for each of ``rows`` (already extended by the chunk), then ``extra``
-    padding rows repeat the first."""
+    padding rows repeat the first. Earlier ids fit ``bucket_length(t - 1)`` slots (an episode
+    has fewer than ``t`` before a result), chunks a bucket of at least 16."""
     earlier = [len(row.ids) - len(chunk) for row, (_, _, chunk) in zip(rows, going, strict=True)]
     positions = [len(row.prompt) + n for row, n in zip(rows, earlier, strict=True)]
-    ids, mask = _left_padded([chunk for _, _, chunk in going], pad_id, 1)
+    ids, mask = _left_padded([chunk for _, _, chunk in going], pad_id, 16)
     pad = lambda x: np.concatenate([np.asarray(x), np.asarray(x)[:1].repeat(extra, 0)])  # noqa: E731
     return Resume(
         rows=pad([i for i, _, _ in going]).astype(np.int32),
@@ -244,7 +241,7 @@ def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: in
         positions=pad(positions).astype(np.int32),
         ids=pad(ids),
         mask=pad(mask),
-        width=bucket_length(max(earlier), 16),
+        width=bucket_length(t - 1, 16),
     )
 
 

@@ -171,14 +171,15 @@ def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> 
     f = flops.prefill(cfg, prompts, prompt_len), flops.decode(cfg, n, prompt_len, t)
     f = (f[0], f[0]), (f[1], f[1])
     w = flops.weight_bytes(cfg) / devices
-    args = (states, ids, ids, knobs, _RNG(step))
+    args = (states, ids, ids, knobs, _rng(step))
     first = _compile(f"{name}/prefill", prefill, args, calls, f[0], w)
     state = jax.eval_shape(prefill, *args)
     second, out = _decode(learner, name, decode, first, state, knobs, calls, f[1], t)
     return [first, second], out
 
 
-def _RNG(step):  # noqa: N802
+def _rng(step):
+    """The abstract PRNG key of a sampler call, replicated."""
     return jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=step.replicated)
 
 
@@ -224,7 +225,7 @@ def _continuation(learner: Learner, p: int, t: int, first_turn: Any) -> list[Pro
     knobs = _knobs(knobs, step.replicated)
     states, cache = (step.params0, step.frozen), first_turn.cache
     args = (states, cache, batch((rows,)), batch((rows,)), batch((rows,)), ids, ids, knobs)
-    args += (_RNG(step),)
+    args += (_rng(step),)
     width = bucket_length(t - 1, 16)
     cfg, turns = step.model_cfg, learner.cfg.agent.max_turns - 1
     context = p + width + k

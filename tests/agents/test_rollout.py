@@ -94,19 +94,20 @@ def test_the_continuation_is_sampled_from_prompt_and_episode_within_the_budget(t
     batch, ids, mask = _run(tok, policy)
     assert [c[4] for c in policy.calls] == [0, 1], "one continuation, for the row that called"
     ctx, ctx_mask, samples, budget, _ = policy.calls[1]
-    assert samples == 1 and ctx.shape[0] == 1
+    # The batch's two rows, the one that did not call padded with a budget of 1.
+    assert samples == 1 and ctx.shape[0] == 2
     prompt = ids[0][mask[0] != 0].tolist()
     so_far = batch.tokens[0, : batch.lengths[0] - len(policy.answer)].tolist()
     assert ctx[0][ctx_mask[0] != 0].tolist() == prompt + so_far
     assert (ctx_mask[0][: -len(prompt + so_far)] == 0).all(), "left-padded"
-    assert budget.tolist() == [T - len(so_far)]
+    assert budget.tolist() == [T - len(so_far), 1]
     # From the cache: row 0 of turn 0 goes on; its turn's ids before the last kept one are
     # in the cache (slots 0 .. keep - 2), and the chunk re-feeds that id, then the result.
     keep = turn_end(tok, policy.call_turn, ("</calc>",))
     resume = policy.resumes[1]
-    assert policy.resumes[0] is None and resume.rows.tolist() == [0]
-    assert resume.valid_until.tolist() == [keep - 1] and resume.width == bucket_length(keep - 1)
-    assert resume.positions.tolist() == [len(prompt) + keep - 1]
+    assert policy.resumes[0] is None and resume.rows.tolist() == [0, 0]
+    assert resume.valid_until.tolist() == [keep - 1] * 2 and resume.width == bucket_length(T - 1)
+    assert resume.positions.tolist() == [len(prompt) + keep - 1] * 2
     chunk = [policy.call_turn[keep - 1], *_encode(tok, "<result>17</result>")]
     assert resume.ids[0][resume.mask[0] != 0].tolist() == chunk
 
