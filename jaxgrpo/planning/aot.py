@@ -39,7 +39,7 @@ from jaxgrpo.rl import held_out
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.programs import abstract_array
 from jaxgrpo.sampling import sampler_programs
-from jaxgrpo.sampling.generate import resume_programs
+from jaxgrpo.sampling.resume import resume_programs
 from jaxgrpo.settings.model import model_config
 
 # Characters per token of the tools' description (no model tokenizer is loaded): a large-vocab

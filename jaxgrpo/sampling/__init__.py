@@ -2,7 +2,8 @@
 
 ``from jaxgrpo.sampling import generate`` is the entry point and ``SamplerSettings`` its
 settings, passed whole; ``loop`` holds the model-free core (tested with a fake model),
-``select`` the token choice, ``schedules`` the temperature schedules the trainer feeds.
+``select`` the token choice, ``schedules`` the temperature schedules the trainer feeds,
+``resume`` an episode's later turns from the KV cache the turn before kept.
 """
 
 from jaxgrpo.sampling.generate import (
@@ -11,10 +12,10 @@ from jaxgrpo.sampling.generate import (
     generate,
     generate_from_state,
     make_knobs,
-    resume_from_state,
     sampler_programs,
 )
 from jaxgrpo.sampling.loop import Knobs, LoopConfig, SamplingState, StopReason, decode, prefill
+from jaxgrpo.sampling.resume import resume_from_state
 from jaxgrpo.sampling.schedules import (
     constant,
     cosine,

@@ -10,10 +10,7 @@ pytree; the ``graphdef`` is closed over (never passed as data) and the jitted pa
 (graphdef, model config, static settings), so a second call with the same shapes compiles
 nothing, whatever the temperature, top-p or min-p.
 
-An episode's later turn runs ``resume`` in place of ``prefill`` (``resume_from_state``): the
-calling rows' cache, kept by the turn before (``SamplerSettings.keep_cache``), with the ids
-sampled past the turn's cut dropped, then only the appended ids (a tool's result) through the
-layers; ``decode`` goes on from there.
+An episode's later turn runs ``jaxgrpo.sampling.resume`` in place of ``prefill``.
 """
 
 import dataclasses
@@ -179,33 +176,11 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
             state = state.replace(cache=state.cache.grow(cfg.first_cache_size))
         state = _rows_to(state, model.shard_ctx)
         state = decode(_decode_step_fn(model), None, state, knobs, cfg)
-        # The cache is not returned unless a later turn needs it: as an output its full-size
-        # buffers would be allocated for the whole program, beside the smaller sizes the
-        # first loops run with.
+        # Only a later turn needs the cache: as an output its full-size buffers are allocated
+        # for the whole program, beside the smaller sizes the first loops run with.
         return state if cfg.keep_cache else state.replace(cache=None)
 
     return jax.jit(prefill_fn), jax.jit(decode_fn)
-
-
-@functools.lru_cache(maxsize=32)
-def resume_program(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig):
-    """Jitted ``resume(states, cache, rows_N, valid_until_N, next_pos_N, ids_NK, mask_NK,
-    knobs, rng, width) -> SamplingState``: a later turn of an episode from the kept cache of
-    the turn before (``LayerKVCache.resume``: rows ``rows_N``, each one's slots before
-    ``valid_until_N`` moved into ``width`` slots), the appended ids [N, K] (left-padded)
-    through the decode layers in one pass, and token 0 sampled; ``decode`` goes on from it.
-    Only the appended ids are computed again, not the prompt and the episode so far."""
-
-    def resume_fn(
-        states, cache, rows_N, valid_until_N, next_pos_N, ids_NK, mask_NK, knobs, rng, width
-    ):
-        model = _sampling_model(graphdef, states, model_cfg)
-        new_slots = ids_NK.shape[1] + cfg.max_new_tokens
-        cache = cache.resume(rows_N, valid_until_N, next_pos_N, width, new_slots)
-        state = prefill(_decode_step_fn(model), None, ids_NK, mask_NK, cache, knobs, rng, cfg)
-        return _rows_to(state, model.shard_ctx)
-
-    return jax.jit(resume_fn, static_argnames=("width",))
 
 
 def compiled_programs() -> int:
@@ -214,7 +189,6 @@ def compiled_programs() -> int:
     for key in _cached_keys:
         prefill_jit, decode_jit = programs(*key)
         total += prefill_jit._cache_size() + decode_jit._cache_size()
-        total += resume_program(*key[:3])._cache_size()
     return total
 
 
@@ -390,66 +364,6 @@ def _output(state: SamplingState, knobs: Knobs) -> SampleOutput:
         steps=state.step,
         cache=state.cache,
     )
-
-
-def resume_settings(settings: SamplerSettings) -> SamplerSettings:
-    """``settings`` for a later turn: one sample per row, the cache allocated whole (its slots
-    do not start at 0, so it is not grown step by step) and kept for the turn after."""
-    return dataclasses.replace(settings, num_samples=1, cache_sizes=(), keep_cache=True)
-
-
-def resume_programs(graphdef: nnx.GraphDef, model_cfg, ids: Array, settings: SamplerSettings):
-    """The jitted ``(resume, decode)`` of a ``resume_from_state`` call with ``ids`` [N, K],
-    and its knobs (``sampler_programs`` for a later turn)."""
-    settings = resume_settings(settings)
-    _, decode_jit, knobs = sampler_programs(graphdef, model_cfg, ids, settings)
-    cfg = _loop_config(settings, ids.shape[0], _devices_of(ids))
-    return resume_program(graphdef, model_cfg, cfg), decode_jit, knobs
-
-
-def resume_from_state(
-    graphdef: nnx.GraphDef,
-    states: Sequence[PyTree],
-    model_cfg,
-    cache: Any,
-    rows: Array,
-    valid_until: Array,
-    next_pos: Array,
-    ids: Array,
-    mask: Array,
-    width: int,
-    settings: SamplerSettings,
-    *,
-    rng: Array,
-) -> SampleOutput:
-    """A later turn of an episode for N rows of an earlier call's kept ``cache``
-    (``SampleOutput.cache``), prefilling only the ids appended since (a tool's result).
-
-    Args:
-      graphdef / states / model_cfg: as ``generate_from_state``'s.
-      cache: the earlier call's ``SampleOutput.cache``.
-      rows: int32 [N], which of its rows go on.
-      valid_until: int32 [N], each row's completion slots before this one hold its episode;
-        later ones were sampled past the turn's cut and are dropped.
-      next_pos: int32 [N], the position id of each row's first appended id.
-      ids / mask: int32 [N, K], the appended ids, left-padded.
-      width: completion slots that hold every row's kept ones (static).
-      settings: as ``generate_from_state``'s (``resume_settings`` applied); ``max_lengths``
-        [N] is each row's remaining budget.
-      rng: this turn's key.
-
-    Returns:
-      ``SampleOutput`` of N rows; the i-th appended id and the sampled token j sit at
-      completion slots ``width + i`` and ``width + K + j`` of its cache.
-    """
-    ids = jnp.asarray(ids, jnp.int32)
-    resume_jit, decode_jit, knobs = resume_programs(graphdef, model_cfg, ids, settings)
-    as_int = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    state = resume_jit(
-        tuple(states), cache, as_int(rows), as_int(valid_until), as_int(next_pos), ids,
-        as_int(mask), knobs, rng, width=width,
-    )  # fmt: skip
-    return _output(decode_jit(tuple(states), state, knobs), knobs)
 
 
 def generate(

@@ -11,7 +11,7 @@ from flax import nnx
 from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.sampling import SamplerSettings, generate, generate_from_state
-from jaxgrpo.sampling.generate import resume_from_state
+from jaxgrpo.sampling.resume import resume_from_state
 
 T = 20
 
