@@ -112,6 +112,11 @@ class Agent:
             reward_weight=agent.environment_reward_weight,
         )
 
+    @property
+    def keeps_cache(self) -> bool:
+        """Whether the sampler keeps each turn's KV cache: a later turn goes on from it."""
+        return self.limits.max_turns > 1
+
     def _make_environment(self) -> object:
         try:
             return self.environment()

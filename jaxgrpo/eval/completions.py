@@ -260,7 +260,7 @@ def complete_episodes(
         ids, mask = agent.tokenizer.encode_chat(chats)
         sample = mesh_sampler(
             graphdef, states, model_cfg, mesh, settings, jax.random.fold_in(key, i),
-            keep_cache=agent.limits.max_turns > 1,
+            keep_cache=agent.keeps_cache,
         )  # fmt: skip
         host, episodes = episode_arrays(
             agent, sample, toolboxes, ids, mask, g, settings.max_new_tokens

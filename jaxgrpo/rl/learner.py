@@ -156,7 +156,7 @@ class Learner:
     def keeps_cache(self) -> bool:
         """Whether the sampler keeps each call's KV cache: an episode's later turns go on
         from it."""
-        return self.agent is not None and self.agent.limits.max_turns > 1
+        return self.agent is not None and self.agent.keeps_cache
 
     def sampler_settings(self, step: int) -> SamplerSettings:
         """The step's rollout settings: the run's (`sampler`) at the step's temperature."""
