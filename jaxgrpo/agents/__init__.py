@@ -30,6 +30,8 @@ is the part of that feature that is plain Python, with no JAX and no tokenizer:
   run, the results' ids appended with model mask 0 (cut to ``max_tool_tokens``), the rows that
   called sampled again from their kept KV cache, until a turn without a call, ``max_turns`` or
   the episode's token budget. The sampled ids are kept as drawn, never re-tokenized from text.
+- ``share``: ``RowShare``, which process owns each row of a multi-process batch (runs its
+  environment's ``reset`` and its calls) and sends the outcomes to the others.
 
 The learner (``jaxgrpo.rl.learner``) trains on the episodes with the results' ids masked from
 the loss; the ``agent`` config section builds the ``Agent``.
@@ -53,6 +55,7 @@ from jaxgrpo.agents.formats import (
 from jaxgrpo.agents.python_tool import python
 from jaxgrpo.agents.rollout import AgentLimits, EpisodeBatch, model_sampler, run_episodes
 from jaxgrpo.agents.schema import ToolError, tool_schema
+from jaxgrpo.agents.share import RowShare
 from jaxgrpo.agents.tools import (
     ERROR_KINDS,
     TOOLS,
@@ -75,6 +78,7 @@ __all__ = [
     "Llama3Format",
     "TOOLS",
     "TagFormat",
+    "RowShare",
     "ToolCall",
     "ToolError",
     "ToolFormat",

@@ -20,6 +20,7 @@ from jaxgrpo.agents.episode import with_observation
 from jaxgrpo.agents.formats import get_format
 from jaxgrpo.agents.rollout import AgentLimits, EpisodeBatch, Sampler, run_episodes
 from jaxgrpo.agents.schema import ToolError
+from jaxgrpo.agents.share import RowShare
 from jaxgrpo.agents.tools import TOOLS, Toolbox, environment_reward, reset_environment
 from jaxgrpo.core.dotted import import_dotted
 from jaxgrpo.core.errors import ConfigError, UserError
@@ -55,6 +56,8 @@ class Agent:
       format: ``agent.format``.
       limits: turns, result tokens and call time of an episode.
       reward_weight: the weight of the environment's ``get_reward()`` (0: not used).
+      share: which rows' environments and calls this process runs (default: this JAX
+        process's contiguous block, ``RowShare.of_processes``, read when episodes start).
 
     Raises:
       ToolError: a tool whose schema cannot be built, or two tools with one name.
@@ -69,8 +72,9 @@ class Agent:
         format: str = "auto",
         limits: AgentLimits = AgentLimits(),
         reward_weight: float = 1.0,
+        share: RowShare | None = None,
     ):
-        self.functions, self.environment = list(functions), environment
+        self.functions, self.environment, self._share = list(functions), environment, share
         self.tokenizer, self.limits = tokenizer, limits
         self.special_tokens = special_tokens(tokenizer)
         probe = self._toolbox(self._make_environment() if environment else None)
@@ -128,24 +132,44 @@ class Agent:
     def _toolbox(self, env: object | None) -> Toolbox:
         return Toolbox(self.functions, env, special_tokens=self.special_tokens)
 
+    @property
+    def share(self) -> RowShare:
+        """Which rows' environments and calls this process runs."""
+        if self._share is None:
+            self._share = RowShare.of_processes()
+        return self._share
+
     def start(
         self, examples: Sequence[Mapping], group: int
-    ) -> tuple[list[list[dict]], list[Toolbox]]:
+    ) -> tuple[list[list[dict]], list[Toolbox | None]]:
         """The B examples' prompt chats (the tools' instructions in the system message, then
         what the environments' ``reset`` returned after the last user message) and B * G
         toolboxes, one per episode, each with a fresh environment reset with its example's
-        columns.
+        columns. With an environment, only the rows this process owns get one (and a toolbox;
+        the others' are None): ``reset`` runs on each row's owner, and its text is sent to
+        every process.
 
         Raises:
           UserError: ``reset`` raised, returned something but a string or None, or returned
             different text for the episodes of one prompt (its G episodes share one prompt).
         """
-        chats, boxes = [], []
+        n_rows = len(examples) * group
+        if self.environment is None:
+            texts, boxes = {}, [self._toolbox(None) for _ in range(n_rows)]
+        else:
+            envs: dict[int, object] = {}
+
+            def reset(r: int) -> str | None:
+                envs[r] = self._make_environment()
+                columns = {k: v for k, v in examples[r // group].items() if k != "messages"}
+                return self._reset(envs[r], columns, r // group)
+
+            texts = self.share.map_rows(range(n_rows), n_rows, reset)
+            boxes = [self._toolbox(envs[r]) if r in envs else None for r in range(n_rows)]
+        chats = []
         for i, example in enumerate(examples):
-            columns = {k: v for k, v in example.items() if k != "messages"}
-            envs = [self._make_environment() if self.environment else None for _ in range(group)]
-            texts = [self._reset(env, columns, i) for env in envs if env is not None]
-            if len(set(texts)) > 1:
+            group_texts = [texts[r] for r in range(i * group, (i + 1) * group) if r in texts]
+            if len(set(group_texts)) > 1:
                 raise UserError(
                     f"{self.environment_name}.reset returned different text for the {group} "
                     f"episodes of example {i}; a prompt's group is sampled from one prompt, so "
@@ -155,8 +179,7 @@ class Agent:
             messages = list(example["messages"])
             if self.instructions:
                 messages = with_instructions(messages, self.instructions)
-            chats.append(with_observation(messages, texts[0] if texts else None))
-            boxes += [self._toolbox(env) for env in envs]
+            chats.append(with_observation(messages, group_texts[0] if group_texts else None))
         return chats, boxes
 
     def _reset(self, env: object, columns: Mapping, example: int) -> str | None:
@@ -172,15 +195,16 @@ class Agent:
     def run(
         self,
         sample: Sampler,
-        toolboxes: Sequence[Toolbox],
+        toolboxes: Sequence[Toolbox | None],
         prompt_ids: np.ndarray,
         prompt_mask: np.ndarray,
         *,
         group: int,
         max_new_tokens: int,
     ) -> EpisodeBatch:
-        """The episodes of B left-padded prompts, G per prompt (``rollout.run_episodes``)."""
-        return run_episodes(
+        """The episodes of B left-padded prompts, G per prompt (``rollout.run_episodes``),
+        with each row's environment as its owner left it (``EpisodeBatch.environments``)."""
+        batch = run_episodes(
             sample,
             self.tokenizer,
             self.format,
@@ -190,7 +214,15 @@ class Agent:
             group=group,
             max_new_tokens=max_new_tokens,
             limits=self.limits,
+            share=self.share,
         )
+        if self.environment is not None:
+            n_rows = len(toolboxes)
+            what = f"the {self.environment_name} environment"
+            env = lambda r: toolboxes[r].environment  # noqa: E731
+            envs = self.share.map_rows(range(n_rows), n_rows, env, what)
+            batch.environments = [envs[r] for r in range(n_rows)]
+        return batch
 
     def reward_function(self) -> Callable[..., list] | None:
         """The environment's ``get_reward()`` as a reward function over the ``environments``

@@ -25,6 +25,7 @@ import numpy as np
 
 from jaxgrpo.agents.episode import Episode
 from jaxgrpo.agents.formats import ToolFormat
+from jaxgrpo.agents.share import RowShare
 from jaxgrpo.agents.tools import Toolbox
 from jaxgrpo.models.tokenizer import bucket_length
 
@@ -86,6 +87,8 @@ class EpisodeBatch:
       truncated: bool, the episodes that used their whole budget without ending their last
         turn (with a stop token): ``completion/truncated_frac`` and ``rl.mask_truncated``.
       episodes: the turns, calls and results of each row (`Episode`).
+      environments: each row's environment after its episode (as its owner's process left
+        it), or None without an environment (``Agent.run`` sets them).
     """
 
     tokens: np.ndarray
@@ -96,6 +99,7 @@ class EpisodeBatch:
     lengths: np.ndarray
     truncated: np.ndarray
     episodes: list[Episode]
+    environments: list | None = None
 
 
 @dataclasses.dataclass
@@ -161,16 +165,18 @@ def run_episodes(
     sample: Sampler,
     tokenizer: Any,
     fmt: ToolFormat,
-    toolboxes: Sequence[Toolbox],
+    toolboxes: Sequence[Toolbox | None],
     prompt_ids: np.ndarray,
     prompt_mask: np.ndarray,
     *,
     group: int,
     max_new_tokens: int,
     limits: AgentLimits = AgentLimits(),
+    share: RowShare = RowShare(),
 ) -> EpisodeBatch:
     """R = B * G episodes from B left-padded prompts, one toolbox per row (an environment's
-    state is the row's own).
+    state is the row's own). Each row's calls run on the process that owns it (``share``; a
+    toolbox is needed only there, None elsewhere); every process gets every row's results.
 
     Returns:
       The ``EpisodeBatch``; every call's failure is in its episode's results, none raised.
@@ -187,7 +193,7 @@ def run_episodes(
     for turn in range(limits.max_turns):
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         logprobs, temps = np.asarray(out.logprobs), np.asarray(out.temperatures)
-        going, resume = [], []
+        calling = {}  # row -> (row in the call, the turn's ids, ids kept, text, calls)
         for i, r in enumerate(live):
             row, ids = rows[r], tokens[i, : int(lengths[i])].tolist()
             ended = bool(ids) and ids[-1] in eos
@@ -198,14 +204,21 @@ def run_episodes(
             text_ids = ids[: keep - 1] if ended and keep == len(ids) else ids[:keep]
             text = tokenizer.hf.decode(text_ids, skip_special_tokens=False)
             calls = fmt.parse(text)
-            room = max_new_tokens - len(row.ids)
-            if not calls or turn == limits.max_turns - 1 or room <= 1:
+            if not calls or turn == limits.max_turns - 1 or max_new_tokens - len(row.ids) <= 1:
                 row.episode.add_turn(text)
-                continue
-            results = [toolboxes[r].run(call, limits.tool_timeout_s) for call in calls]
-            result_ids, cut = _result_ids(tokenizer, fmt, calls, results, limits.max_tool_tokens)
-            row.episode.add_turn(text, calls, results, cut)
-            appended = result_ids[: room - 1]
+            else:
+                calling[r] = (i, ids, keep, text, calls)
+        # Each row's calls run on its owner's process only; every process gets the results.
+        run = lambda r, calls=calling: [  # noqa: E731
+            toolboxes[r].run(c, limits.tool_timeout_s) for c in calls[r][4]
+        ]
+        results = share.map_rows(calling, n_rows, run, "a tool result")
+        going, resume = [], []
+        for r, (i, ids, keep, text, calls) in calling.items():
+            row = rows[r]
+            result_ids, cut = _result_ids(tokenizer, fmt, calls, results[r], limits.max_tool_tokens)
+            row.episode.add_turn(text, calls, results[r], cut)
+            appended = result_ids[: max_new_tokens - len(row.ids) - 1]
             row.extend(appended, 0)
             if len(row.ids) < max_new_tokens:
                 going.append(r)

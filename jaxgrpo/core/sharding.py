@@ -244,3 +244,14 @@ def to_host(x) -> np.ndarray:
     if isinstance(x, np.ndarray) or x.is_fully_addressable:
         return np.asarray(x)
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def allgather_bytes(blob: bytes) -> list[bytes]:
+    """Every process's ``blob``, in process order (a collective: every process must call it)."""
+    if jax.process_count() == 1:
+        return [blob]
+    sizes = multihost_utils.process_allgather(np.asarray([len(blob)], np.int32)).reshape(-1)
+    buf = np.zeros(max(int(sizes.max()), 1), np.uint8)
+    buf[: len(blob)] = np.frombuffer(blob, np.uint8)
+    blobs = np.asarray(multihost_utils.process_allgather(buf))
+    return [blobs[p, : int(n)].tobytes() for p, n in enumerate(sizes)]

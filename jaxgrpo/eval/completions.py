@@ -200,8 +200,9 @@ def mesh_sampler(
 
 
 def episode_arrays(agent: Any, sample: Callable, toolboxes, ids, mask, group: int, t: int):
-    """(host arrays as ``mesh_sampler``'s plus ``model_mask``, the episode records) of the
-    ``agent``'s episodes from prompts [B, P], ``group`` per prompt, ``t`` tokens each."""
+    """(host arrays as ``mesh_sampler``'s plus ``model_mask``, the episode records, the
+    environments or None) of the ``agent``'s episodes from prompts [B, P], ``group`` per
+    prompt, ``t`` tokens each."""
     b = agent.run(
         lambda *args: types.SimpleNamespace(**sample(*args)),
         toolboxes,
@@ -220,7 +221,7 @@ def episode_arrays(agent: Any, sample: Callable, toolboxes, ids, mask, group: in
         "stop_reason": stop.astype(np.int32),
         "lengths": b.lengths,
     }
-    return host, b.episodes
+    return host, b.episodes, b.environments
 
 
 def complete_episodes(
@@ -262,7 +263,7 @@ def complete_episodes(
             graphdef, states, model_cfg, mesh, settings, jax.random.fold_in(key, i),
             keep_cache=agent.keeps_cache,
         )  # fmt: skip
-        host, episodes = episode_arrays(
+        host, episodes, envs = episode_arrays(
             agent, sample, toolboxes, ids, mask, g, settings.max_new_tokens
         )
         keep = len(chunk) * g
@@ -276,7 +277,7 @@ def complete_episodes(
         out["model_tokens"] += model_mask.sum(-1).tolist()
         out["episodes"] += episodes[:keep]
         out["chats"] += chats[: len(chunk)]
-        environments += [box.environment for box in toolboxes[:keep]]
+        environments += (envs or [])[:keep]
         if progress is not None:
             progress(len(chunk))
     out["environments"] = environments if agent.environment is not None else None

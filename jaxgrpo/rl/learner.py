@@ -172,15 +172,15 @@ class Learner:
             else:
                 messages, toolboxes = self.agent.start(examples, g)
                 row_messages = [m for m in messages for _ in range(g)]
-                if self.agent.environment is not None:
-                    environments = [box.environment for box in toolboxes]
             ids, mask = ro.trim_prompts(*tok.encode_chat(messages), self.buckets)
             sample = self.turn_sampler(state, self.sampler_settings(step), key)
             if toolboxes is None:
                 host = sample(ids, mask, g, None, 0)
             else:
                 t = self.cfg.sampling.max_new_tokens
-                host, episodes = episode_arrays(self.agent, sample, toolboxes, ids, mask, g, t)
+                host, episodes, environments = episode_arrays(
+                    self.agent, sample, toolboxes, ids, mask, g, t
+                )
             timer.add_tokens(int(host.get("model_mask", host["mask"]).sum()))
         with timer("rewards"):
             completions = tok.batch_decode(host["tokens"], host["mask"])
