@@ -61,9 +61,9 @@ def measure(args) -> dict:
     """Median seconds per phase over the measured steps, and sampled tokens per second."""
     from jaxgrpo.data import get_task
     from jaxgrpo.run.train import build_parts
-    from jaxgrpo.settings import schema as config_lib
+    from jaxgrpo.settings.loading import load_config
 
-    cfg = config_lib.load_config(args.config, overrides(args))
+    cfg = load_config(args.config, overrides(args))
     learner = build_parts(cfg)["learner"]
     state = learner.init_state()
     examples = itertools.cycle(get_task(cfg.task.name, source="fixture").train_examples(0))

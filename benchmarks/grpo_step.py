@@ -111,7 +111,7 @@ def reward_spec(task: str) -> tuple:
 def jaxgrpo_config(w: Workload, lora: bool, extra: dict | None = None):
     """The `TrainConfig` of jaxgrpo's side of workload `w` (also `update_profile.py`'s), with
     `extra` overrides on top."""
-    from jaxgrpo.settings.schema import load_config
+    from jaxgrpo.settings.loading import load_config
 
     name, kwargs = reward_spec(w.task)
     overrides = {
@@ -154,7 +154,7 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
 
     from jaxgrpo.core.host import BACKEND_COMPILE_EVENT, keep_freed_memory, use_cpu_xla_flags
     from jaxgrpo.run.train import build_parts
-    from jaxgrpo.settings.schema import config_override
+    from jaxgrpo.settings.loading import config_override
 
     use_cpu_xla_flags()
     keep_freed_memory()  # as jaxgrpo's CLIs run

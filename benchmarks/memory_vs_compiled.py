@@ -16,7 +16,7 @@ import json
 
 from jaxgrpo.core import presets
 from jaxgrpo.planning import memory
-from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.loading import load_config
 
 GIB = 1024**3
 
@@ -31,7 +31,7 @@ def rows(reports: list[dict], config: str) -> list[str]:
         f = rep["facts"]
         model = f["model"]
         lora = 16 if f["tuning"] == "LoRA" else 0
-        cfg = config_lib.load_config(config, {"model.source": model, "model.lora_rank": lora})
+        cfg = load_config(config, {"model.source": model, "model.lora_rank": lora})
         model_cfg, run = memory.from_train_config(cfg, f["prompt_len"])
         preset = presets.get_preset(f["topology"])
         est = memory.estimate(model_cfg, run, f["mesh"], preset.hbm_bytes)

@@ -1,8 +1,8 @@
-"""``python -m jaxgrpo.memory``: the entry point of ``jaxgrpo.planning.memory``."""
+"""``python -m jaxgrpo.memory``: the entry point of ``jaxgrpo.planning.memory_report``."""
 
 import sys
 
-from jaxgrpo.planning.memory import main
+from jaxgrpo.planning.memory_report import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -30,7 +30,7 @@ from jaxgrpo.models.layout import Layout, mesh_platform
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.settings.schema import load_config
+from jaxgrpo.settings.loading import load_config
 
 
 def text_reward(prompts, completions, **_):

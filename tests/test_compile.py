@@ -164,10 +164,10 @@ def test_multi_host_parameter_shards_follow_the_rules(v5e16):
     preset = presets.get_preset("v5e-16")
     devices = aot.topology_devices(preset)
     mesh = sharding.make_mesh(preset.mesh, devices)
-    from jaxgrpo.settings import schema as config_lib
+    from jaxgrpo.settings.loading import load_config
     from jaxgrpo.settings.model import model_config
 
-    cfg = config_lib.load_config("tiny", {"mesh.fsdp": 16, "rl.prompts_per_step": 4})
+    cfg = load_config("tiny", {"mesh.fsdp": 16, "rl.prompts_per_step": 4})
     learner = aot.abstract_learner(cfg, mesh, model_config(cfg.model, "tpu"))
     frozen = learner.programs.frozen
     embed = frozen["embed"].get_value()
@@ -318,16 +318,17 @@ def test_every_gsm8k_config_validates_on_64_chip_slices(slice_name):
     """gsm8k_* configs share gsm8k_hard's model, batch and sampling shape, so gsm8k_hard's
     compile (``python -m jaxgrpo.compile --config gsm8k_hard --topology SLICE``) is theirs;
     each must pass the batch layout check on the preset mesh."""
-    from jaxgrpo.settings import schema as config_lib
+    from jaxgrpo.settings.loading import load_config, shipped_configs
+    from jaxgrpo.settings.schema import resolve_mesh_shape
 
     preset = presets.get_preset(slice_name)
     mesh = {f"mesh.{k}": v for k, v in preset.mesh.items()}
-    hard = config_lib.load_config("gsm8k_hard", mesh)
-    names = [n for n in config_lib.shipped_configs() if n.startswith("gsm8k_")]
+    hard = load_config("gsm8k_hard", mesh)
+    names = [n for n in shipped_configs() if n.startswith("gsm8k_")]
     assert "gsm8k_hard" in names and len(names) > 1
     for name in names:
-        cfg = config_lib.load_config(name, mesh)
-        assert config_lib.resolve_mesh_shape(cfg, preset.devices) == preset.mesh
+        cfg = load_config(name, mesh)
+        assert resolve_mesh_shape(cfg, preset.devices) == preset.mesh
         for section in ("model", "rl", "mesh"):
             assert getattr(cfg, section) == getattr(hard, section), (name, section)
         assert cfg.sampling.max_new_tokens == hard.sampling.max_new_tokens, name

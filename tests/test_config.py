@@ -9,17 +9,18 @@ from ml_collections import ConfigDict
 
 from jaxgrpo.configs import base
 from jaxgrpo.configs.base import JUDGE_PROMPT
+from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.rl.loss_spec import LOSS_PRESETS
 from jaxgrpo.run.build import build_model
-from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.loading import load_config, shipped_configs
 from jaxgrpo.settings.model import model_config, model_fields
-from jaxgrpo.settings.schema import ConfigError, load_config, shipped_configs, to_train_config
+from jaxgrpo.settings.schema import TrainConfig, resolve_mesh_shape, to_train_config
 
 
 @pytest.mark.parametrize("name", shipped_configs())
 def test_every_shipped_config_validates(name):
     cfg = load_config(name)
-    assert isinstance(cfg, config_lib.TrainConfig)
+    assert isinstance(cfg, TrainConfig)
     assert json.loads(json.dumps(cfg.to_dict()))["run_dir"] == cfg.run_dir
 
 
@@ -143,11 +144,11 @@ def test_eval_section_defaults_are_the_seed_study_settings():
 
 def test_mesh_fits_devices():
     cfg = load_config("tiny", {"mesh.data": -1, "mesh.tensor": 2})
-    assert config_lib.resolve_mesh_shape(cfg, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
+    assert resolve_mesh_shape(cfg, 8) == {"data": 4, "fsdp": 1, "tensor": 2}
     with pytest.raises(ConfigError, match="config key 'mesh'"):
-        config_lib.resolve_mesh_shape(load_config("tiny", {"mesh.tensor": 3}), 8)
+        resolve_mesh_shape(load_config("tiny", {"mesh.tensor": 3}), 8)
     with pytest.raises(ConfigError, match="divisible by mesh data \\* fsdp = 16"):
-        config_lib.resolve_mesh_shape(cfg, 32)
+        resolve_mesh_shape(cfg, 32)
 
 
 def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu_without_remat():

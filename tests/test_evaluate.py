@@ -12,19 +12,21 @@ from flax import nnx
 
 from jaxgrpo.configs.base import JUDGE_PROMPT
 from jaxgrpo.core import sharding
+from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.run import evaluate as cli
 from jaxgrpo.run.build import build_model, build_task, restore_params
 from jaxgrpo.run.judge import judge_says_yes, make_judge
-from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.loading import load_config, run_config
+from jaxgrpo.settings.schema import resolve_mesh_shape
 
 
 def settings_of(argv, run_dir=None):
     """(config, settings) the way ``evaluate_runs`` builds them from a command line."""
     args = cli.parse_args(argv)
-    cfg = config_lib.run_config(args.config, run_dir, dict(args.overrides))
+    cfg = run_config(args.config, run_dir, dict(args.overrides))
     return cfg, cli.eval_settings(cfg, args)
 
 
@@ -53,7 +55,7 @@ def test_flags_override_the_config_eval_section():
         ("--top_p=0", "config key 'eval.top_p'"),
     ]
     for arg, match in bad:
-        with pytest.raises(config_lib.ConfigError, match=match):
+        with pytest.raises(ConfigError, match=match):
             settings_of(["--config", "tiny", arg])
     assert cli.main(["--config", "tiny", "--num_samples", "0"]) == 2
 
@@ -76,16 +78,16 @@ def test_held_out_set_is_the_runs_for_generated_tasks_and_the_split_for_data_set
 
 
 def test_run_config_round_trips_config_json(tmp_path):
-    cfg = config_lib.load_config("gsm8k_curriculum", {"run_dir": str(tmp_path)})
+    cfg = load_config("gsm8k_curriculum", {"run_dir": str(tmp_path)})
     (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
-    again = config_lib.run_config(None, str(tmp_path), {"rl.beta": 0.0})
+    again = run_config(None, str(tmp_path), {"rl.beta": 0.0})
     assert again.to_dict() == {**cfg.to_dict(), "rl": {**cfg.to_dict()["rl"], "beta": 0.0}}
-    with pytest.raises(config_lib.ConfigError, match="unknown config key 'eval.bogus'"):
-        config_lib.run_config(None, str(tmp_path), {"eval.bogus": 1})
-    with pytest.raises(config_lib.ConfigError, match="config key 'eval.top_p'"):
-        config_lib.run_config(None, str(tmp_path), {"eval.top_p": "high"})
-    with pytest.raises(config_lib.ConfigError, match="pass --config"):
-        config_lib.run_config(None, str(tmp_path / "nowhere"), {})
+    with pytest.raises(ConfigError, match="unknown config key 'eval.bogus'"):
+        run_config(None, str(tmp_path), {"eval.bogus": 1})
+    with pytest.raises(ConfigError, match="config key 'eval.top_p'"):
+        run_config(None, str(tmp_path), {"eval.top_p": "high"})
+    with pytest.raises(ConfigError, match="pass --config"):
+        run_config(None, str(tmp_path / "nowhere"), {})
 
 
 @pytest.mark.parametrize(
@@ -102,8 +104,8 @@ def tiny_run(tmp_path_factory):
     """A run directory holding config.json and a step-3 checkpoint whose LoRA B is non-zero
     (so the trained policy differs from the base), written the way train.py writes them."""
     run_dir = str(tmp_path_factory.mktemp("tiny_run"))
-    cfg = config_lib.load_config("tiny", {"run_dir": run_dir})
-    mesh = sharding.make_mesh(config_lib.resolve_mesh_shape(cfg, jax.device_count()))
+    cfg = load_config("tiny", {"run_dir": run_dir})
+    mesh = sharding.make_mesh(resolve_mesh_shape(cfg, jax.device_count()))
     model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
     rewards = RewardSet([("format_copy", 1.0)])
     learner = Learner(cfg, model, tokenizer, build_task(cfg.task), rewards, mesh)
@@ -129,7 +131,7 @@ def test_checkpoint_params_are_restored_into_the_model(tiny_run):
     """The fixture's own model (still untrained: the learner perturbed a copy) gets the
     checkpoint's LoRA; building another tiny model would cost most of this test's time."""
     run_dir, saved, (model, tokenizer, mesh) = tiny_run
-    cfg = config_lib.run_config(None, run_dir, {})
+    cfg = run_config(None, run_dir, {})
     before = jax.device_get(nnx.state(model, nnx.LoRAParam))
     assert restore_params(cfg, model, tokenizer, run_dir, mesh) == 3
     restored = jax.device_get(nnx.state(model, nnx.LoRAParam))

@@ -21,8 +21,8 @@ from jaxgrpo.models import SafetensorsFiles
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.run import export, train
 from jaxgrpo.run.build import load_policy
-from jaxgrpo.settings import schema as config_lib
-from jaxgrpo.settings.schema import load_config, run_config
+from jaxgrpo.settings.loading import load_config, run_config
+from jaxgrpo.settings.schema import resolve_mesh_shape
 
 # Checked before the module's run is trained, so a base install skips without training.
 needs_torch_peft = pytest.mark.skipif(
@@ -57,7 +57,7 @@ def _export(capsys, *args):
 
 def _trained_model(run_dir):
     cfg = run_config(None, run_dir, {})
-    mesh = sharding.make_mesh(config_lib.resolve_mesh_shape(cfg, jax.device_count()))
+    mesh = sharding.make_mesh(resolve_mesh_shape(cfg, jax.device_count()))
     model, tokenizer, step = load_policy(cfg, run_dir, mesh)
     assert step == 2
     return model, tokenizer

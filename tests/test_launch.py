@@ -114,18 +114,20 @@ def test_preset_meshes_cover_their_devices(name):
 
 
 def test_preset_flags_validate_against_the_config():
-    from jaxgrpo.settings import schema as config_lib
+    from jaxgrpo.core.errors import ConfigError
+    from jaxgrpo.settings.loading import load_config_dict
+    from jaxgrpo.settings.schema import to_train_config
 
     flags = presets.get_preset("v5litepod-8").flags()
     assert flags == ["--config.mesh.data=1", "--config.mesh.fsdp=8", "--config.mesh.tensor=1"]
-    cfg = presets.apply_preset(config_lib.load_config_dict("gsm8k_hard"), "v5e-64")
-    train_cfg = config_lib.to_train_config(cfg, num_devices=64)  # 16 x 8 = 128 rows over 16
+    cfg = presets.apply_preset(load_config_dict("gsm8k_hard"), "v5e-64")
+    train_cfg = to_train_config(cfg, num_devices=64)  # 16 x 8 = 128 rows over 16
     assert train_cfg.mesh.shape() == {"data": 1, "fsdp": 16, "tensor": 4}
-    cfg = presets.apply_preset(config_lib.load_config_dict("gsm8k_hard"), "v5e-256")
+    cfg = presets.apply_preset(load_config_dict("gsm8k_hard"), "v5e-256")
     cfg.rl.grad_accum = 4  # 16 x 8 / 4 = 32 rows over 64
-    with pytest.raises(config_lib.ConfigError, match="divisible by mesh data \\* fsdp = 64"):
-        config_lib.to_train_config(cfg, num_devices=256)
+    with pytest.raises(ConfigError, match="divisible by mesh data \\* fsdp = 64"):
+        to_train_config(cfg, num_devices=256)
     cfg.rl.grad_accum = 2
-    config_lib.to_train_config(cfg, num_devices=256)
+    to_train_config(cfg, num_devices=256)
     with pytest.raises(KeyError, match="known presets"):
         presets.get_preset("v7-8")

@@ -15,7 +15,7 @@ from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.kv_cache import init_cache
 from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.planning import memory
+from jaxgrpo.planning import memory, memory_report
 
 TINY = dict(
     vocab_size=384,
@@ -61,7 +61,7 @@ def test_optimizer_state_bytes_equal_adamw_init(name):
     (one int32 scalar per moment transform), so the difference is at most 16 bytes. Gradients
     and the reference's trainable part equal the real trees."""
     from jaxgrpo.rl.train_state import make_optimizer
-    from jaxgrpo.settings.schema import load_config
+    from jaxgrpo.settings.loading import load_config
 
     cfg = VARIANTS[name]
     trainable = nnx.state(abstract_model(cfg), nnx.LoRAParam if cfg.lora else nnx.Param)
@@ -162,51 +162,53 @@ def test_smollm2_gguf_config_matches_known_shape(smollm2_gguf):
 
 
 def test_cli_report_and_table(capsys):
-    assert memory.main(["--config", "gsm8k_hard", "--preset", "v5e-64"]) == 0
+    assert memory_report.main(["--config", "gsm8k_hard", "--preset", "v5e-64"]) == 0
     out = capsys.readouterr().out
     assert "v5e-64" in out and "| kv_cache |" in out and "fits in 16 GiB" in out
     args = ["--config", "gsm8k_hard", "--preset", "v5e-8", "--model", "Llama-3.1-70B"]
-    assert memory.main(args) == 0
+    assert memory_report.main(args) == 0
     assert "does NOT fit" in capsys.readouterr().out
-    assert memory.main(["--table"]) == 0
+    assert memory_report.main(["--table"]) == 0
     table = capsys.readouterr().out
     assert "| Llama-3.1-8B | 8.03 B | LoRA |" in table
-    assert memory.main(["--config", "gsm8k_hard", "--model", "gpt-17"]) == 2
+    assert memory_report.main(["--config", "gsm8k_hard", "--model", "gpt-17"]) == 2
     assert "unknown model source" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("preset", memory.TABLE_PRESETS)
+@pytest.mark.parametrize("preset", memory_report.TABLE_PRESETS)
 def test_fitting_grad_accum_is_what_the_config_check_accepts(preset):
     """gsm8k_hard (16 x 8 sequences, grad_accum 4) on each table slice: the estimator's
     grad_accum passes the config's mesh check and the next larger one (up to 4) fails it."""
+    from jaxgrpo.core.errors import ConfigError
     from jaxgrpo.core.presets import PRESETS
-    from jaxgrpo.settings import schema as config_lib
+    from jaxgrpo.settings.loading import load_config
+    from jaxgrpo.settings.schema import resolve_mesh_shape
 
     p = PRESETS[preset]
-    cfg = config_lib.load_config("gsm8k_hard", {"rl.grad_accum": 4})
+    cfg = load_config("gsm8k_hard", {"rl.grad_accum": 4})
     _, run = memory.from_train_config(cfg, 256, "tiny")
     g = memory.fitting_grad_accum(run, p.mesh)
     assert 1 <= g <= 4
     mesh = {f"mesh.{axis}": size for axis, size in p.mesh.items()}
-    ok = config_lib.load_config("gsm8k_hard", {**mesh, "rl.grad_accum": g})
-    config_lib.resolve_mesh_shape(ok, p.devices)
+    ok = load_config("gsm8k_hard", {**mesh, "rl.grad_accum": g})
+    resolve_mesh_shape(ok, p.devices)
     for larger in range(g + 1, 5):
-        with pytest.raises(config_lib.ConfigError, match="rl.grad_accum|rl.prompts_per_step"):
-            bad = config_lib.load_config("gsm8k_hard", {**mesh, "rl.grad_accum": larger})
-            config_lib.resolve_mesh_shape(bad, p.devices)
+        with pytest.raises(ConfigError, match="rl.grad_accum|rl.prompts_per_step"):
+            bad = load_config("gsm8k_hard", {**mesh, "rl.grad_accum": larger})
+            resolve_mesh_shape(bad, p.devices)
     assert memory.fitting_grad_accum(memory.RunShape(2, 2, 8, 8), p.mesh) == (p.devices <= 4)
 
 
 def test_cli_names_the_grad_accum_a_slice_needs(capsys):
     four = "--config.rl.grad_accum=4"
-    assert memory.main(["--config", "gsm8k_hard", "--preset", "v5e-256", four]) == 0
+    assert memory_report.main(["--config", "gsm8k_hard", "--preset", "v5e-256", four]) == 0
     out = capsys.readouterr().out
     assert "estimated with --config.rl.grad_accum=2" in out and "grad_accum 2" in out
     argv = ["--config", "gsm8k_hard", "--preset", "v5e-256", "--config.rl.grad_accum=2"]
-    assert memory.main(argv) == 0
+    assert memory_report.main(argv) == 0
     out = capsys.readouterr().out
     assert "estimated with" not in out and "grad_accum 2" in out
-    assert memory.main(["--config", "gsm8k_hard", "--preset", "v5e-64", four]) == 0
+    assert memory_report.main(["--config", "gsm8k_hard", "--preset", "v5e-64", four]) == 0
     assert "estimated with" not in capsys.readouterr().out  # the preset's tensor=4 fits it
 
 
@@ -214,7 +216,7 @@ def test_launch_readme_fit_table_is_current(capsys):
     """launch/README.md's "What fits where" table is what ``--table`` prints now."""
     import os
 
-    assert memory.main(["--table"]) == 0
+    assert memory_report.main(["--table"]) == 0
     printed = capsys.readouterr().out.strip()
     path = os.path.join(os.path.dirname(__file__), "..", "launch", "README.md")
     with open(path, encoding="utf-8") as f:

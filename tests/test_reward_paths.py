@@ -16,7 +16,8 @@ from jaxgrpo.core.sharding import make_mesh
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.run import study_results
 from jaxgrpo.run.build import build_rewards, build_task, load_policy
-from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.loading import load_config
+from jaxgrpo.settings.schema import resolve_mesh_shape
 
 # Written as a TRL user writes a reward: positional TRL arguments, the rest in **kwargs. It
 # raises (AssertionError) on any argument it does not expect, and the configs below use
@@ -143,7 +144,7 @@ def test_study_evaluation_calls_it_alike(trained, monkeypatch):
     tmp, run_dir, cfg_path, log, env = trained
     monkeypatch.setenv("REWARD_LOG", env["REWARD_LOG"])
     monkeypatch.syspath_prepend(str(tmp))
-    cfg = config_lib.load_config(cfg_path, {"run_dir": run_dir})
+    cfg = load_config(cfg_path, {"run_dir": run_dir})
     before = len(_calls(log))
     result = study_results.Evaluator(cfg)("arm", cfg, run_dir, str(tmp / "study_eval"))
     assert _calls(log)[before:] == [{"n": 8, "step": 2}], "4 held-out prompts x 2 samples"
@@ -160,8 +161,8 @@ def test_reward_of_a_trl_conversational_function_in_held_out_evaluation(trained,
         seen.append((prompts, completions, trainer_state.global_step))
         return [1.0] * len(completions)
 
-    cfg = config_lib.load_config(cfg_path, {"run_dir": run_dir})
-    mesh = make_mesh(config_lib.resolve_mesh_shape(cfg, 1), jax.devices()[:1])
+    cfg = load_config(cfg_path, {"run_dir": run_dir})
+    mesh = make_mesh(resolve_mesh_shape(cfg, 1), jax.devices()[:1])
     model, tokenizer, _ = load_policy(cfg, None, mesh)
     specs = ((conversational, 1.0),)
     rewards_cfg = dataclasses.replace(cfg.rewards, functions=specs, conversational=True)

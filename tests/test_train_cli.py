@@ -14,6 +14,7 @@ import pytest
 from flax import nnx
 
 from jaxgrpo.core import sharding
+from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.data import get_task
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import tiny_model_config, tiny_tokenizer
@@ -22,7 +23,7 @@ from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.run import build, train
 from jaxgrpo.run.runtime import RunFiles
-from jaxgrpo.settings.schema import ConfigError, load_config
+from jaxgrpo.settings.loading import load_config
 
 
 def _cli(args, cwd):

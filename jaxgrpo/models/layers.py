@@ -326,7 +326,7 @@ def banded_attend(
 class LayerWeights(Protocol):
     """One decoder layer's weights, as the operations `decoder_layer` applies.
 
-    Implemented by `transformer.Block` (training layout, LoRA unmerged) and by the decode
+    Implemented by `block.Block` (training layout, LoRA unmerged) and by the decode
     layout of `jaxgrpo.models.decode`; each owns its weight layout, not the arithmetic.
     """
 

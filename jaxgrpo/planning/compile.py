@@ -216,14 +216,15 @@ def compile_config(
     """Compiles config ``name`` (with the slice's preset mesh, then ``overrides``) for
     ``topology`` and returns its report; ``only`` as in ``jaxgrpo.planning.aot.compile_step``."""
     from jaxgrpo.planning import aot
-    from jaxgrpo.settings import schema as config_lib
+    from jaxgrpo.settings.loading import load_config
+    from jaxgrpo.settings.schema import resolve_mesh_shape
 
     preset = _preset(topology)
     mesh = {f"mesh.{k}": v for k, v in preset.mesh.items()}
     if any(k.startswith("mesh.") for k in overrides):
         mesh["mesh.fsdp"] = -1  # the overrides reshape the mesh; fsdp takes the rest
-    cfg = config_lib.load_config(name, {**mesh, **overrides})
-    config_lib.resolve_mesh_shape(cfg, preset.devices)  # the batch layout check, with devices
+    cfg = load_config(name, {**mesh, **overrides})
+    resolve_mesh_shape(cfg, preset.devices)  # the batch layout check, with devices
     programs, facts = aot.compile_step(cfg, preset, prompt_len, only)
     return report(cfg, programs, facts, preset)
 
@@ -302,7 +303,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _set_devices(args.topology if not args.table else "v5e-8")
     quiet_libraries()
     logging.basicConfig(level=logging.INFO, format="jaxgrpo.planning.compile: %(message)s")
-    from jaxgrpo.settings.schema import config_override  # imports jax: after _set_devices
+    from jaxgrpo.settings.loading import config_override  # imports jax: after _set_devices
 
     overrides = dict(config_override(a) for a in rest)
     if args.table:

@@ -22,6 +22,7 @@ from flax import nnx
 
 from jaxgrpo.agents import Agent
 from jaxgrpo.core import sharding
+from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.core.host import initialize_distributed
 from jaxgrpo.data import TASKS, get_task
 from jaxgrpo.models import load_model
@@ -31,9 +32,14 @@ from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.settings import schema as config_lib
 from jaxgrpo.settings.model import model_fields
-from jaxgrpo.settings.schema import ConfigError, TrainConfig
+from jaxgrpo.settings.schema import (
+    ModelSpec,
+    RewardsConfig,
+    TaskConfig,
+    TrainConfig,
+    resolve_mesh_shape,
+)
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_ALIASES = {  # what the aliases of model.source are, for the run's header
@@ -57,7 +63,7 @@ def start_distributed(cfg: TrainConfig) -> None:
 
 def build_mesh(cfg: TrainConfig) -> Any:
     """The device mesh of ``cfg.mesh`` over every device (a -1 axis filled)."""
-    return sharding.make_mesh(config_lib.resolve_mesh_shape(cfg, jax.device_count()))
+    return sharding.make_mesh(resolve_mesh_shape(cfg, jax.device_count()))
 
 
 def smollm2_path() -> str:
@@ -70,7 +76,7 @@ def smollm2_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
 
 
-def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
+def build_model(spec: ModelSpec, seed: int, mesh: Any = None):
     """(model, tokenizer) for ``spec.source``, with LoRA adapters when ``lora_rank > 0`` and
     the layout of the mesh's devices (``jaxgrpo.settings.model``)."""
     fields = model_fields(spec, mesh_platform(mesh))
@@ -88,7 +94,7 @@ def build_model(spec: config_lib.ModelSpec, seed: int, mesh: Any = None):
     return load_model(source, mesh=mesh, seed=seed, **fields)
 
 
-def build_task(task_cfg: config_lib.TaskConfig):
+def build_task(task_cfg: TaskConfig):
     """The task, with the config's prompt template, system prompt and held-out size applied."""
     kwargs = dict(task_cfg.kwargs)
     fields = (
@@ -132,7 +138,7 @@ def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> li
 
 
 def build_rewards(
-    cfg: config_lib.RewardsConfig, model: Any, tokenizer: Any, agent: Agent | None = None
+    cfg: RewardsConfig, model: Any, tokenizer: Any, agent: Agent | None = None
 ) -> RewardSet:
     """The run's ``RewardSet``, model-based rewards bound to the (untrained) ``model``, and the
     ``agent``'s environment's ``get_reward()`` as one more term, at its weight."""

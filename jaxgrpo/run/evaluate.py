@@ -67,7 +67,7 @@ from jaxgrpo.run.build import (
     start_distributed,
 )
 from jaxgrpo.run.judge import make_judge
-from jaxgrpo.settings import schema as config_lib
+from jaxgrpo.settings.loading import parse_known_overrides, run_config
 
 # ----------------------------------------------------------------------------------------------
 # Evaluation of runs.
@@ -185,7 +185,7 @@ def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:
     runs = [(None, "base")] if args.base or not args.checkpoint else []
     runs += [(d, os.path.basename(os.path.normpath(d))) for d in args.checkpoint or []]
     overrides = dict(args.overrides)
-    cfg0 = config_lib.run_config(args.config, runs[-1][0], overrides)
+    cfg0 = run_config(args.config, runs[-1][0], overrides)
     start_distributed(cfg0)
     mesh = build_mesh(cfg0)
     settings = eval_settings(cfg0, args)
@@ -194,7 +194,7 @@ def evaluate_runs(args: argparse.Namespace) -> tuple[dict[str, Any], Settings]:
     results: dict[str, Any] = {}
     models: dict = {}
     for run_dir, label in runs:
-        cfg = config_lib.run_config(args.config, run_dir, overrides) if run_dir else cfg0
+        cfg = run_config(args.config, run_dir, overrides) if run_dir else cfg0
         model, tokenizer, reward_set, step, agent = load_scored_policy(
             cfg, run_dir, mesh, args.model, models
         )
@@ -296,7 +296,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--judge", help="judge model source, yes/no per completion (eval.judge_source)")
     p.add_argument("--judge_prompt", help="{question} {reference} {completion} (eval.judge_prompt)")
     p.add_argument("--out", help="JSON output (default RUN_DIR/eval_SPLIT.json or eval.json)")
-    args, args.overrides = config_lib.parse_known_overrides(p, argv)
+    args, args.overrides = parse_known_overrides(p, argv)
     flags = [(f"eval.{key}", getattr(args, flag)) for flag, key in EVAL_FLAGS.items()]
     args.overrides += [(k, v) for k, v in flags if v is not None]
     return args

@@ -30,7 +30,7 @@ from jaxgrpo.core.host import prepare_cli
 from jaxgrpo.models.export import export_hf, export_peft
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.run.build import build_mesh, load_policy, restore_params
-from jaxgrpo.settings.schema import run_config
+from jaxgrpo.settings.loading import run_config
 
 # Model sources that are not Hugging Face checkpoints (jaxgrpo.run.build.build_model's aliases).
 _NON_HF_SOURCES = ("tiny", "smollm2")

@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from jaxgrpo.core.errors import UserError, one_line_errors
+from jaxgrpo.core.errors import ConfigError, UserError, one_line_errors
 from jaxgrpo.run.study_results import (
     Evaluator,
     read_json,
@@ -43,8 +43,8 @@ from jaxgrpo.run.study_results import (
     write_json,
     write_plots,
 )
-from jaxgrpo.settings import schema as config_lib
-from jaxgrpo.settings.schema import ConfigError, TrainConfig
+from jaxgrpo.settings.loading import load_config, load_config_dict, parse_known_overrides
+from jaxgrpo.settings.schema import TrainConfig
 
 # jaxgrpo/studies: the shipped study files (they import this module, so it cannot import them).
 STUDIES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "studies")
@@ -159,7 +159,7 @@ def arm_configs(
     """
     base_name = base or study.base
     try:
-        base_dict = config_lib.load_config_dict(base_name)
+        base_dict = load_config_dict(base_name)
     except ConfigError as e:
         raise UserError(f"base config: {e}") from None
     configs = {}
@@ -171,7 +171,7 @@ def arm_configs(
             "run_dir": os.path.join(out, "arms", arm.label),
         }
         try:
-            configs[arm.label] = config_lib.load_config(base_name, overrides)
+            configs[arm.label] = load_config(base_name, overrides)
         except (ConfigError, ValueError, TypeError) as e:
             raise UserError(f"arm {arm.label!r}: {e}") from None
     return configs
@@ -274,7 +274,7 @@ def run_study(
         s = result["summary"]
         say(f"arm {arm.label}: strict {100 * s['strict_accuracy']:.1f}% [{result['file']}]")
     protocol = dataclasses.asdict(evaluator.settings)
-    base_dict = config_lib.load_config_dict(base or study.base)
+    base_dict = load_config_dict(base or study.base)
     for arm in arms:
         rows[arm.label]["overrides"] = _values({**study.overrides, **arm.overrides}, base_dict)
     results = {
@@ -306,7 +306,7 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--out", help="output directory (default runs/studies/<name>)")
     p.add_argument("--only", help="comma-separated arm labels to run (default: all)")
     p.add_argument("--base", help="config replacing the study's base config (e.g. gsm8k_hard)")
-    args, overrides = config_lib.parse_known_overrides(p, argv)
+    args, overrides = parse_known_overrides(p, argv)
     args.overrides = dict(overrides)
     return args
 

@@ -29,7 +29,7 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from jaxgrpo.agents import Agent
-from jaxgrpo.core.errors import one_line_errors
+from jaxgrpo.core.errors import ConfigError, one_line_errors
 from jaxgrpo.core.host import cache_off_why, prepare_cli
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
@@ -53,8 +53,9 @@ from jaxgrpo.run.build import (
     start_distributed,
 )
 from jaxgrpo.run.runtime import DataStream, RunFiles, StopRequest, fault_point
-from jaxgrpo.settings import schema as config_lib
-from jaxgrpo.settings.schema import ConfigError, TrainConfig, unknown_key_error
+from jaxgrpo.settings import loading
+from jaxgrpo.settings.checks import unknown_key_error
+from jaxgrpo.settings.schema import TrainConfig, to_train_config
 
 # ----------------------------------------------------------------------------------------------
 # The loop.
@@ -310,17 +311,17 @@ def resolve_argv(argv: Sequence[str]) -> list[str]:
     if value is None:
         raise ConfigError(
             "--config is required, e.g. --config format_copy; shipped configs: "
-            + ", ".join(config_lib.shipped_configs())
+            + ", ".join(loading.shipped_configs())
         )
-    path = config_lib.resolve_config_path(value)
+    path = loading.resolve_config_path(value)
     if argv[i].startswith("--config=") or argv[i].startswith("-config="):
         argv[i] = f"--config={path}"
     else:
         argv[i + 1] = path
-    cfg = config_lib.load_config_dict(path)
+    cfg = loading.load_config_dict(path)
     for arg in argv:
         match = re.match(r"--?(?:no)?config\.([^=]+)", arg)
-        if match and not match.group(1).startswith(config_lib.TASK_KWARGS):
+        if match and not match.group(1).startswith(loading.TASK_KWARGS):
             parent, key = cfg, match.group(1)
             for part in key.split("."):
                 if not hasattr(parent, "keys") or part not in parent:
@@ -340,7 +341,7 @@ def split_task_kwargs(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
       (the other arguments, ``{name: value text}``).
     """
     rest, kwargs, args = [], {}, list(argv)
-    prefix = re.compile(r"--?config\." + re.escape(config_lib.TASK_KWARGS) + r"(\w+)(=(.*))?$")
+    prefix = re.compile(r"--?config\." + re.escape(loading.TASK_KWARGS) + r"(\w+)(=(.*))?$")
     while args:
         arg = args.pop(0)
         match = prefix.match(arg)
@@ -373,8 +374,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             # orbax logs every save at INFO; keep the console to the progress bar and warnings.
             absl_logging.set_verbosity(absl_logging.WARNING)
         try:
-            config_lib.set_task_kwargs(flag.value, task_kwargs)
-            cfg = config_lib.to_train_config(flag.value)
+            loading.set_task_kwargs(flag.value, task_kwargs)
+            cfg = to_train_config(flag.value)
         except ConfigError as e:
             sys.exit(f"error: {e}")
         # Bad input found while running (a missing file, a malformed data row, a missing

@@ -9,7 +9,7 @@ import pytest
 from jaxgrpo.agents import Agent, calc
 from jaxgrpo.core.errors import ConfigError, UserError
 from jaxgrpo.models.tiny import tiny_tokenizer
-from jaxgrpo.settings.schema import load_config
+from jaxgrpo.settings.loading import load_config
 
 
 @pytest.fixture(scope="module")

@@ -23,7 +23,7 @@ from jaxgrpo.rl import rollout as ro
 from jaxgrpo.rl import step_metrics
 from jaxgrpo.rl.objective import make_loss_fn
 from jaxgrpo.rl.programs import StepPrograms
-from jaxgrpo.settings.schema import load_config
+from jaxgrpo.settings.loading import load_config
 
 PARAM_ATOL = 1e-5  # float32; 8 devices reduce the same sums in a different order
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxgrpo.models import lm_head
 from jaxgrpo.models import logprobs as lp
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.layout import Layout
@@ -110,7 +111,7 @@ def _plain_stats(h, w, tokens, temps):
 def test_head_token_logprobs_any_chunk_size(chunk_size):
     """Chunking over T (with padding when C does not divide T) changes nothing."""
     _, h, w, tokens, temps = _head_case(2)
-    logp, ent = lp.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size)
+    logp, ent = lm_head.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size)
     want_logp, want_ent = _plain_stats(h, w, tokens, temps)
     np.testing.assert_allclose(logp, want_logp, atol=1e-6)
     np.testing.assert_allclose(ent, want_ent, atol=1e-5)
@@ -129,13 +130,15 @@ def test_head_vjp_equals_autodiff(keep, wrt, entropy_grad, monkeypatch):
     """The hand-written backward of the LM-head statistics equals autodiff of the plain ones:
     with the head trained or frozen (LoRA), the entropy differentiated or not (no entropy
     bonus), the [N, T, V] log-probabilities kept from the forward pass or recomputed."""
-    monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", lp.KEEP_LOG_PROBS_BYTES if keep else 0)
+    monkeypatch.setattr(
+        lm_head, "KEEP_LOG_PROBS_BYTES", lm_head.KEEP_LOG_PROBS_BYTES if keep else 0
+    )
     rng, h, w, tokens, temps = _head_case(3)
     a, c = (jnp.asarray(rng.normal(size=(3, 7)), jnp.float32) for _ in range(2))
 
     def objective(h, w, custom):
         if custom:
-            logp, ent = lp.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size=4)
+            logp, ent = lm_head.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size=4)
         else:
             logp, ent = _plain_stats(h, w, tokens, temps)
         return jnp.sum(a * logp + (c * ent if entropy_grad else 0.0)), (logp, ent)
@@ -157,12 +160,12 @@ def test_head_matmuls_per_update(wrt, entropy_grad, matmuls, monkeypatch):
     recomputation, the gradient through the head and the head's own; with a frozen head whose
     entropy is not differentiated (LoRA without an entropy bonus) only the logits and, in the
     same forward pass, the log-prob's gradient with respect to h."""
-    monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", 0)
+    monkeypatch.setattr(lm_head, "KEEP_LOG_PROBS_BYTES", 0)
     _, h, w, tokens, temps = _head_case(3)
     v = w.shape[0]
 
     def objective(h, w):
-        logp, ent = lp.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size=4)
+        logp, ent = lm_head.head_token_logprobs(_Head(w), h, tokens, temps, chunk_size=4)
         return jnp.sum(logp + (ent if entropy_grad else 0.0))
 
     jaxpr = jax.make_jaxpr(jax.grad(objective, wrt))(h, w).jaxpr
@@ -373,14 +376,14 @@ def test_head_blocks_have_enough_rows_for_the_matmul_on_cpu(rows, t, asked, expe
     cpu = Layout.for_platform("cpu").head_chunk_rows
     tpu = Layout.for_platform("tpu").head_chunk_rows
     assert (cpu, tpu) == (256, 0)
-    assert lp.head_chunk(rows, t, asked, cpu) == expected
-    assert lp.head_chunk(rows, t, asked, tpu) == min(asked, t)
+    assert lm_head.head_chunk(rows, t, asked, cpu) == expected
+    assert lm_head.head_chunk(rows, t, asked, tpu) == min(asked, t)
 
 
 def test_no_full_vocabulary_logits_for_the_whole_sequence(monkeypatch):
     """Past the keep budget, forward and backward never hold logits for more than one chunk
     of positions."""
-    monkeypatch.setattr(lp, "KEEP_LOG_PROBS_BYTES", 0)
+    monkeypatch.setattr(lm_head, "KEEP_LOG_PROBS_BYTES", 0)
     model = _model(lora=True)
     graphdef, params, rest = nnx.split(model, nnx.LoRAParam, ...)
     batch = _batch()
