@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models import load_model
-from jaxgrpo.models.init import random_model
+from jaxgrpo.models.construct import random_model
 from jaxgrpo.run.build import smollm2_path
 
 

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.models.init import random_model
+from jaxgrpo.models.construct import random_model
 from jaxgrpo.models.weights import load_hf_tensors
 
 # The tests' tiny configs (tests/tiny_hf.py), with HF's own initializer range and no special

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 from jaxgrpo.core import host, sharding
 from jaxgrpo.models import source_config
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
-from jaxgrpo.models.init import random_model
+from jaxgrpo.models.construct import random_model
 from jaxgrpo.models.kv_cache import init_cache
 from jaxgrpo.models.transformer import Transformer
 

@@ -35,8 +35,8 @@ from flax import nnx
 
 from jaxgrpo.core import presets
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
+from jaxgrpo.models.construct import empty_model, random_model
 from jaxgrpo.models.gguf import GGUFCheckpoint
-from jaxgrpo.models.init import empty_model, random_model
 from jaxgrpo.models.layout import Layout, mesh_platform
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import Tokenizer

@@ -16,7 +16,7 @@ from typing import Any
 from flax import nnx
 
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
-from jaxgrpo.models.init import random_model
+from jaxgrpo.models.construct import random_model
 from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer

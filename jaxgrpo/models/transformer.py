@@ -56,7 +56,7 @@ class Transformer(nnx.Module):
     Attributes:
         cfg: the ModelConfig.
         shard_ctx: mesh + rules used to constrain activations, or None (set by
-            `jaxgrpo.models.init.random_model`).
+            `jaxgrpo.models.construct.random_model`).
     """
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):

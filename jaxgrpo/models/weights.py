@@ -156,8 +156,8 @@ def load_hf_tensors(model, get_tensor: Callable[[str], np.ndarray]) -> None:
 
     The model may be abstract (`nnx.eval_shape(lambda: Transformer(cfg, rngs=...))`): every
     base weight is replaced, so no random initialisation is needed. Values go to the sharding
-    already on each parameter (a NamedSharding from `jaxgrpo.models.init` or `nnx.as_abstract`),
-    else to the default device.
+    already on each parameter (a NamedSharding from `jaxgrpo.models.construct` or
+    `nnx.as_abstract`), else to the default device.
 
     Args:
         model: a Transformer (adapters, if any, are left as they are).

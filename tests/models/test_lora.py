@@ -8,7 +8,7 @@ from flax import nnx
 
 from jaxgrpo.models import lora as lora_lib
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
-from jaxgrpo.models.init import random_model
+from jaxgrpo.models.construct import random_model
 from jaxgrpo.models.weights import hf_tensors, peft_adapter_config, peft_lora_tensors
 
 CFG = ModelConfig(

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
-from jaxgrpo.models.init import random_model
+from jaxgrpo.models.construct import random_model
 from jaxgrpo.models.kv_cache import LayerKVCache, init_cache
 from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.transformer import Segment, Transformer

@@ -451,7 +451,7 @@ def _on_eight_devices(model, cfg, ids, mask, shape=None, rules=None):
     from flax import nnx
 
     from jaxgrpo.core import sharding as shd
-    from jaxgrpo.models.init import random_model
+    from jaxgrpo.models.construct import random_model
 
     mesh = shd.make_mesh(shape or {"data": 2, "fsdp": 2, "tensor": 2})
     sharded = random_model(cfg, mesh=mesh, rules=rules or shd.SAMPLE_RULES)
