@@ -23,6 +23,13 @@ PYTHON=${PYTHON:-python}
 DEVICES_PER_PROCESS=${DEVICES_PER_PROCESS:-1}
 PORT=${PORT:-$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("localhost", 0)); print(s.getsockname()[1])')}
 
+# The caller's XLA flags are kept; the forced device count is this script's.
+xla_flags=""
+for flag in ${XLA_FLAGS:-}; do
+  [[ "$flag" == --xla_force_host_platform_device_count=* ]] || xla_flags+="$flag "
+done
+xla_flags+="--xla_force_host_platform_device_count=${DEVICES_PER_PROCESS}"
+
 pids=()
 cleanup() {
   for pid in "${pids[@]}"; do
@@ -34,7 +41,7 @@ trap cleanup INT TERM
 for ((i = 0; i < N; i++)); do
   JAX_PLATFORMS=cpu \
   JAX_CPU_COLLECTIVES_IMPLEMENTATION=gloo \
-  XLA_FLAGS="--xla_force_host_platform_device_count=${DEVICES_PER_PROCESS}" \
+  XLA_FLAGS="$xla_flags" \
     "$PYTHON" -m jaxgrpo.train "$@" \
     "--config.mesh.coordinator_address=localhost:${PORT}" \
     "--config.mesh.num_processes=${N}" \

@@ -62,12 +62,41 @@ QUICK_MODULES = (
 )
 
 
+# The test files that take longest, longest first. The two workers take whole files in
+# collection order (pyproject's `--dist loadfile --no-loadscope-reorder`), so they start on
+# these and end on short files, finishing together; xdist's own order (most tests first) left a
+# worker alone on one long file at the end (benchmarks/README.md, "The test suite's time").
+LONG_FILES = (
+    "rl/test_learner.py",
+    "test_distributed.py",
+    "test_compile.py",
+    "test_train_cli.py",
+    "rl/test_episodes.py",
+    "test_evaluate.py",
+    "test_study.py",
+    "sampling/test_sampling.py",
+    "rl/test_logprobs.py",
+    "sampling/test_sampling_hf.py",
+    "test_export_cli.py",
+    "models/test_smollm2.py",
+    "agents/test_rollout.py",
+    "sampling/test_resume.py",
+    "agents/test_agent_cli.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests of `QUICK_MODULES` `quick` (slow ones excepted)."""
+    """Puts the files of `LONG_FILES` first, in its order (each file's tests stay together and
+    in order), and marks the tests of `QUICK_MODULES` `quick` (slow ones excepted)."""
     root = os.path.dirname(__file__)
+
+    def rel(item) -> str:
+        return os.path.relpath(str(item.path), root).replace(os.sep, "/")
+
+    rank = {name: i for i, name in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(rel(item), len(LONG_FILES)))
     for item in items:
-        rel = os.path.relpath(str(item.path), root).replace(os.sep, "/")
-        if rel.startswith(QUICK_MODULES) and item.get_closest_marker("slow") is None:
+        if rel(item).startswith(QUICK_MODULES) and item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.quick)
 
 

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from tensorboardX.proto import event_pb2
 
+from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.run.train import build_parts
 from jaxgrpo.settings.loading import load_config
@@ -31,13 +32,18 @@ TIMEOUT_S = 600
 
 
 def _env(cache_dir, devices: int | None = None) -> dict:
+    """The subprocesses' environment: the tests' XLA flags (conftest) with ``devices`` forced
+    CPU devices in place of the tests' 8 (the launcher sets its own count when None)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([TESTS, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     env["JAX_PLATFORMS"] = "cpu"
     env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
     env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    flags = env.get("XLA_FLAGS", "").split()
+    flags = [f for f in flags if not f.startswith(FORCE_HOST_DEVICES_FLAG)]
     if devices is not None:
-        env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+        flags.append(f"{FORCE_HOST_DEVICES_FLAG}={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
     return env
 
 

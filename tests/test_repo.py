@@ -49,3 +49,13 @@ def test_import_has_no_side_effects():
     assert proc.returncode == 0, proc.stderr
     # jaxgrpo.core.shapes imports jax but must leave its global configuration untouched.
     assert proc.stdout.strip() in ("False", "allow"), proc.stdout
+
+
+def test_the_suites_file_lists_name_existing_tests():
+    """conftest's `LONG_FILES` (run first) and `QUICK_MODULES` (the quick tier) name test files
+    and folders that exist: a renamed file would silently leave the order or the tier."""
+    import conftest
+
+    tests = os.path.join(ROOT, "tests")
+    for name in (*conftest.LONG_FILES, *conftest.QUICK_MODULES):
+        assert os.path.exists(os.path.join(tests, name)), f"tests/conftest.py names {name}"
