@@ -64,7 +64,7 @@ def measure(args) -> dict:
     from jaxgrpo.settings.loading import load_config
 
     cfg = load_config(args.config, overrides(args))
-    learner = build_parts(cfg)["learner"]
+    learner = build_parts(cfg).learner
     state = learner.init_state()
     examples = itertools.cycle(get_task(cfg.task.name, source="fixture").train_examples(0))
     rows = []

@@ -167,9 +167,9 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
             else None
         )
     )
-    learner = build_parts(cfg)["learner"]
+    learner = build_parts(cfg).learner
     state = learner.init_state()
-    peaks = {"loaded": _peak_mb()}
+    peaks = {"loaded": peak_rss_mb()}
     data = examples(w.task, w.prompts * (w.steps + 1))
     rows = []
     for i in range(w.steps + 1):
@@ -182,14 +182,14 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
         print(
             f"  jaxgrpo step {i}: {row['seconds']:.2f} s  reward {m['reward/mean']:.3f}  "
             f"length {m['completion/length_mean']:.0f}  update in {m['micro_batches']:.0f} "
-            f"micro-batch(es)  compiling {row['compile']:.1f} s  peak {_peak_mb():.0f} MB",
+            f"micro-batch(es)  compiling {row['compile']:.1f} s  peak {peak_rss_mb():.0f} MB",
             flush=True,
         )
-        peaks.setdefault("first_step", _peak_mb())
+        peaks.setdefault("first_step", peak_rss_mb())
     return {**summarize(rows[1:]), "peaks_mb": peaks}  # step 0 compiles
 
 
-def _peak_mb() -> float:
+def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MB."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -324,7 +324,7 @@ def summarize(rows: list[dict]) -> dict:
 
 def _child(framework: str, w: Workload, lora: bool, queue) -> None:
     result = (bench_jaxgrpo if framework == "jaxgrpo" else bench_trl)(w, lora)
-    result["peak_rss_mb"] = _peak_mb()
+    result["peak_rss_mb"] = peak_rss_mb()
     queue.put(result)
 
 

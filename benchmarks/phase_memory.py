@@ -75,7 +75,7 @@ def main() -> None:
     name = f"{args.model.replace(':', '_').replace('.', '')}_hf"
     hf_dir = grpo_step.export_model(args.model, os.path.join(tempfile.gettempdir(), name))
     w = grpo_step.Workload(args.model, args.task, args.new_tokens, steps=1, hf_dir=hf_dir)
-    learner = build_parts(grpo_step.jaxgrpo_config(w, args.variant == "lora"))["learner"]
+    learner = build_parts(grpo_step.jaxgrpo_config(w, args.variant == "lora")).learner
     state = learner.init_state()
     examples = grpo_step.examples(w.task, w.prompts)
     for step in range(args.steps):

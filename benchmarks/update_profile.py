@@ -132,7 +132,7 @@ def main() -> None:
     w = grpo_step.Workload(args.model, args.task, args.new_tokens, steps=1, hf_dir=hf_dir)
     extra = dict(config_override(s) for s in args.set)
     cfg = grpo_step.jaxgrpo_config(w, args.variant == "lora", extra)
-    learner = build_parts(cfg)["learner"]
+    learner = build_parts(cfg).learner
     state = learner.init_state()
     if args.load:
         with open(args.load, "rb") as f:
@@ -169,7 +169,7 @@ def main() -> None:
     median = {k: statistics.median(v) for k, v in times.items() if v}
     print(
         f"median of {args.repeats}: reference {median.get('reference', 0):.2f} s, "
-        f"update {median.get('update', 0):.2f} s; peak RSS {grpo_step._peak_mb() / 1024:.2f} GiB"
+        f"update {median.get('update', 0):.2f} s; peak RSS {grpo_step.peak_rss_mb() / 1024:.2f} GiB"
     )
     if args.ops:
         import jax

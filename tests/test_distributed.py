@@ -328,7 +328,7 @@ def test_two_process_cli_killed_and_resumed_equals_one_process(tmp_path):
 def _assert_same_step_4(config, tmp_path, want_dir, got_dir) -> None:
     """Both runs' step-4 checkpoints hold bitwise equal parameters and the same data cursor."""
     cfg = load_config(str(config), {"run_dir": str(tmp_path / "unused")})
-    target = build_parts(cfg)["learner"].init_state()
+    target = build_parts(cfg).learner.init_state()
 
     def final_params(run_dir):
         ckpt = Checkpointer(os.path.join(run_dir, "checkpoints"), every=1, keep=3)

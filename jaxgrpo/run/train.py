@@ -15,6 +15,7 @@ source aliases.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,11 +27,13 @@ from typing import Any
 import jax
 from absl import app, flags
 from absl import logging as absl_logging
+from jax.sharding import Mesh
 from ml_collections import config_flags
 
 from jaxgrpo.agents import Agent
 from jaxgrpo.core.errors import ConfigError, one_line_errors
 from jaxgrpo.core.host import cache_off_why, prepare_cli
+from jaxgrpo.data.base import Task
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.run_log import (
@@ -94,12 +97,12 @@ class HeldOut:
         return _prefixed(metrics, "eval/")
 
 
-def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]:
+def run(cfg: TrainConfig, parts: RunParts | None = None) -> dict[str, Any]:
     """Trains ``cfg.steps`` steps (resuming from ``cfg.run_dir`` when it holds a checkpoint).
 
     Args:
       cfg: the run.
-      parts: prebuilt ``{"learner", "task", "mesh"}`` (tests, notebooks); None builds them.
+      parts: a prebuilt `RunParts` (tests, notebooks); None builds them.
 
     Returns:
       The last step's metrics (with ``eval/*`` after the final step), ``{}`` if nothing ran.
@@ -112,7 +115,7 @@ def run(cfg: TrainConfig, parts: dict[str, Any] | None = None) -> dict[str, Any]
         parts = build_parts(cfg)
     process = jax.process_index()
     say = console if process == 0 else (lambda *_: None)
-    learner, task = parts["learner"], parts["task"]
+    learner, task = parts.learner, parts.task
     files = RunFiles(cfg.run_dir, process)
     ckpt = Checkpointer(
         files.join(cfg.run_dir, "checkpoints"),
@@ -271,7 +274,18 @@ def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, in
     return state, latest, int(meta["data_cursor"])
 
 
-def build_parts(cfg: TrainConfig) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What `run` trains with: the learner (model, compiled programs, rewards, agent), the task
+    whose examples it feeds, and the mesh they were built on (None when a caller's learner
+    brings its own)."""
+
+    learner: Learner
+    task: Task
+    mesh: Mesh | None = None
+
+
+def build_parts(cfg: TrainConfig) -> RunParts:
     """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
     start_distributed(cfg)
     mesh = build_mesh(cfg)
@@ -282,7 +296,7 @@ def build_parts(cfg: TrainConfig) -> dict[str, Any]:
     agent = Agent.from_config(cfg.agent, tokenizer)
     rewards = build_rewards(cfg.rewards, model, tokenizer, agent)
     learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent)
-    return {"learner": learner, "task": task, "mesh": mesh}
+    return RunParts(learner, task, mesh)
 
 
 # ----------------------------------------------------------------------------------------------
