@@ -60,7 +60,7 @@ def estimate(args) -> dict:
 def measure(args) -> dict:
     """Median seconds per phase over the measured steps, and sampled tokens per second."""
     from jaxgrpo.data import get_task
-    from jaxgrpo.run.train import build_parts
+    from jaxgrpo.run.build import build_parts
     from jaxgrpo.settings.loading import load_config
 
     cfg = load_config(args.config, overrides(args))

@@ -153,7 +153,7 @@ def bench_jaxgrpo(w: Workload, lora: bool) -> dict:
     from jax import monitoring
 
     from jaxgrpo.core.host import BACKEND_COMPILE_EVENT, keep_freed_memory, use_cpu_xla_flags
-    from jaxgrpo.run.train import build_parts
+    from jaxgrpo.run.build import build_parts
     from jaxgrpo.settings.loading import config_override
 
     use_cpu_xla_flags()

@@ -67,7 +67,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from jaxgrpo.core.host import keep_freed_memory, use_cpu_xla_flags
-    from jaxgrpo.run.train import build_parts
+    from jaxgrpo.run.build import build_parts
 
     use_cpu_xla_flags()
     keep_freed_memory()

@@ -122,7 +122,7 @@ def main() -> None:
 
     from jaxgrpo.core.host import keep_freed_memory, use_cpu_xla_flags
     from jaxgrpo.rl import step_metrics
-    from jaxgrpo.run.train import build_parts
+    from jaxgrpo.run.build import build_parts
     from jaxgrpo.settings.loading import config_override
 
     use_cpu_xla_flags()

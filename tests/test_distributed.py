@@ -22,7 +22,7 @@ from tensorboardX.proto import event_pb2
 
 from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
 from jaxgrpo.rl.checkpoint import Checkpointer
-from jaxgrpo.run.train import build_parts
+from jaxgrpo.run.build import build_parts
 from jaxgrpo.settings.loading import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -109,10 +109,10 @@ def _rows(run_dir):
 def test_resume_equals_uninterrupted_and_crosses_epochs(tmp_path):
     task = get_task("format_copy", num_train=5, num_eval=4)  # 2 prompts per step: epochs mix
     full = _ToyLearner()
-    train.run(_cfg(tmp_path / "a", steps=5), train.RunParts(full, task))
+    train.run(_cfg(tmp_path / "a", steps=5), build.RunParts(full, task))
     first, second = _ToyLearner(stop_at=3), _ToyLearner()  # interrupted (SIGTERM) at step 3
-    train.run(_cfg(tmp_path / "b", steps=5), train.RunParts(first, task))
-    final = train.run(_cfg(tmp_path / "b", steps=5), train.RunParts(second, task))
+    train.run(_cfg(tmp_path / "b", steps=5), build.RunParts(first, task))
+    final = train.run(_cfg(tmp_path / "b", steps=5), build.RunParts(second, task))
     assert first.seen + second.seen == full.seen, "the data cursor continues exactly"
     assert full.seen[:5] == [int(e["answer"]) for e in task.train_examples(0)]
     assert full.seen[5:10] == [int(e["answer"]) for e in task.train_examples(1)]
@@ -123,14 +123,14 @@ def test_resume_equals_uninterrupted_and_crosses_epochs(tmp_path):
     assert final["reward/mean"] == rows_a[-1]["reward/mean"]
     assert os.path.exists(tmp_path / "a" / "samples.jsonl")
     with pytest.raises(ConfigError, match="config key 'resume'"):
-        train.run(_cfg(tmp_path / "b", steps=6, resume=False), train.RunParts(_ToyLearner(), task))
+        train.run(_cfg(tmp_path / "b", steps=6, resume=False), build.RunParts(_ToyLearner(), task))
 
 
 def test_sigterm_finishes_the_step_and_checkpoints(tmp_path):
     task = get_task("format_copy", num_train=16, num_eval=4)
     learner = _ToyLearner(stop_at=3)
     cfg = _cfg(tmp_path, steps=10, **{"checkpoint.every": 0})
-    train.run(cfg, train.RunParts(learner, task))
+    train.run(cfg, build.RunParts(learner, task))
     assert len(learner.seen) == 3 * cfg.rl.prompts_per_step, "stopped right after step 3"
     ckpt = Checkpointer(str(tmp_path / "checkpoints"), every=0, keep=1)
     state, meta = ckpt.restore(learner.init_state())

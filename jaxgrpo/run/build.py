@@ -19,12 +19,14 @@ from typing import Any
 
 import jax
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxgrpo.agents import Agent
 from jaxgrpo.core import sharding
 from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.core.host import initialize_distributed
 from jaxgrpo.data import TASKS, get_task
+from jaxgrpo.data.base import Task
 from jaxgrpo.models import load_model
 from jaxgrpo.models.layout import mesh_platform
 from jaxgrpo.models.tiny import tiny_model
@@ -157,6 +159,31 @@ def build_rewards(
 
 # ----------------------------------------------------------------------------------------------
 # A run's trained policy.
+
+
+@dataclasses.dataclass(frozen=True)
+class RunParts:
+    """What `run` trains with: the learner (model, compiled programs, rewards, agent), the task
+    whose examples it feeds, and the mesh they were built on (None when a caller's learner
+    brings its own)."""
+
+    learner: Learner
+    task: Task
+    mesh: Mesh | None = None
+
+
+def build_parts(cfg: TrainConfig) -> RunParts:
+    """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
+    start_distributed(cfg)
+    mesh = build_mesh(cfg)
+    # The data first: a missing file, row or package is reported in seconds, not after a load.
+    task = build_task(cfg.task)
+    task.eval_examples()
+    model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
+    agent = Agent.from_config(cfg.agent, tokenizer)
+    rewards = build_rewards(cfg.rewards, model, tokenizer, agent)
+    learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent)
+    return RunParts(learner, task, mesh)
 
 
 def load_policy(

@@ -15,7 +15,6 @@ source aliases.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -27,15 +26,11 @@ from typing import Any
 import jax
 from absl import app, flags
 from absl import logging as absl_logging
-from jax.sharding import Mesh
 from ml_collections import config_flags
 
-from jaxgrpo.agents import Agent
 from jaxgrpo.core.errors import ConfigError, one_line_errors
 from jaxgrpo.core.host import cache_off_why, prepare_cli
-from jaxgrpo.data.base import Task
 from jaxgrpo.rl.checkpoint import Checkpointer
-from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.run_log import (
     MetricsLogger,
     ProgressBar,
@@ -47,14 +42,7 @@ from jaxgrpo.rl.run_log import (
     warn_once,
 )
 from jaxgrpo.run import plot
-from jaxgrpo.run.build import (
-    MODEL_ALIASES,
-    build_mesh,
-    build_model,
-    build_rewards,
-    build_task,
-    start_distributed,
-)
+from jaxgrpo.run.build import MODEL_ALIASES, RunParts, build_parts, start_distributed
 from jaxgrpo.run.runtime import DataStream, RunFiles, StopRequest, fault_point
 from jaxgrpo.settings import loading
 from jaxgrpo.settings.checks import unknown_key_error
@@ -272,31 +260,6 @@ def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, in
         )
     state, meta = ckpt.restore(state, latest)
     return state, latest, int(meta["data_cursor"])
-
-
-@dataclasses.dataclass(frozen=True)
-class RunParts:
-    """What `run` trains with: the learner (model, compiled programs, rewards, agent), the task
-    whose examples it feeds, and the mesh they were built on (None when a caller's learner
-    brings its own)."""
-
-    learner: Learner
-    task: Task
-    mesh: Mesh | None = None
-
-
-def build_parts(cfg: TrainConfig) -> RunParts:
-    """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
-    start_distributed(cfg)
-    mesh = build_mesh(cfg)
-    # The data first: a missing file, row or package is reported in seconds, not after a load.
-    task = build_task(cfg.task)
-    task.eval_examples()
-    model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
-    agent = Agent.from_config(cfg.agent, tokenizer)
-    rewards = build_rewards(cfg.rewards, model, tokenizer, agent)
-    learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent)
-    return RunParts(learner, task, mesh)
 
 
 # ----------------------------------------------------------------------------------------------
