@@ -157,10 +157,6 @@ def build_rewards(
     )
 
 
-# ----------------------------------------------------------------------------------------------
-# A run's trained policy.
-
-
 @dataclasses.dataclass(frozen=True)
 class RunParts:
     """What `run` trains with: the learner (model, compiled programs, rewards, agent), the task
@@ -184,6 +180,10 @@ def build_parts(cfg: TrainConfig) -> RunParts:
     rewards = build_rewards(cfg.rewards, model, tokenizer, agent)
     learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent)
     return RunParts(learner, task, mesh)
+
+
+# ----------------------------------------------------------------------------------------------
+# A run's trained policy.
 
 
 def load_policy(
