@@ -5,7 +5,7 @@ keys exist and their types) is this file: ``jaxgrpo.settings.schema.validate`` r
 else.
 """
 
-from ml_collections import ConfigDict
+from ml_collections import ConfigDict, FieldReference
 
 # The judge's default user message (eval.judge_prompt), filled in per completion.
 JUDGE_PROMPT = (
@@ -52,7 +52,10 @@ def _rewards() -> ConfigDict:
     c.functions = (("format_copy", 1.0),)
     c.reward_on_error = "none"  # a reward fn that raises: "none" scores None, "raise" stops the run
     c.max_failed_steps = 3  # stop once a reward fn fails every sample of this many steps in a row
-    c.conversational = False  # user reward fns get TRL's chat-message prompts/completions, not str
+    # user reward fns get TRL's chat messages (True) or strings (False); "auto": messages where
+    # the data's rows are chats (a prompt/messages column of messages), as TRL decides. Typed
+    # `object`, so an override may set a bool where the default is a string.
+    c.conversational = FieldReference("auto", field_type=object)
     c.timeout_s = 300.0  # a reward fn's call past this many seconds scores its samples None; 0 off
     c.max_memory_gb = 8.0  # ... or once it grows the process by this many GiB; 0 = no limit
     return c
@@ -79,6 +82,7 @@ def _sampling() -> ConfigDict:
     c.top_k = 0  # keep the k most likely tokens; 0 = off (static: changing it recompiles)
     c.min_p = 0.0  # drop tokens below min_p * p(most likely token); 0 = off
     c.repetition_guard = (0, 0)  # (n, k): stop a row whose last n-gram occurred k times; n=0 = off
+    c.stop = ()  # stop strings: a row ends at the token completing one (vLLM's `stop`); () = none
     return c
 
 
@@ -185,9 +189,11 @@ def _agent() -> ConfigDict:
     # schema comes from its type hints and its docstring's Args section
     c.tools = ()
     # a class (or factory) by dotted name, TRL's `environment_factory`: one instance per
-    # episode; its public methods are tools, reset(**columns) may add to the prompt and
-    # get_reward() scores the episode; "" = none
+    # episode; its public methods are tools, reset(**row) (the example's prompt and columns) may
+    # add to the prompt and get_reward() scores the episode; "" = none
     c.environment = ""
+    # TRL's dict environment_factory: name -> dotted name, picked by each example's `environment`
+    c.environments = ConfigDict()
     c.environment_reward_weight = 1.0  # weight of the environment's get_reward(); 0 = not used
     c.max_turns = 4  # model turns per episode at most (TRL's max_tool_calling_iterations + 1)
     c.max_tool_tokens = 256  # a tool result longer than this many tokens is cut (and counted)

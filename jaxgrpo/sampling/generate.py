@@ -205,11 +205,13 @@ def make_knobs(
     max_lengths=None,
     repetition_count: int = 4,
     pad_id: int = 0,
+    stop=None,
 ) -> Knobs:
     """Builds the traced settings with fixed dtypes and shapes, so values never recompile.
 
     ``temperature`` may be a scalar, a [T] per-position array, or [R, T] (or [R, 1]) per row.
-    ``max_lengths`` may be None (= T), a scalar, or an [R] array.
+    ``max_lengths`` may be None (= T), a scalar, or an [R] array. ``stop``: the stop strings'
+    ``StopTables`` or None.
     """
     t = max_new_tokens
     temperature_RT = jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (n, t))
@@ -222,6 +224,7 @@ def make_knobs(
         max_len_R=max_len_R,
         repetition_count=jnp.asarray(max(repetition_count, 2), jnp.int32),
         pad_id=jnp.asarray(pad_id, jnp.int32),
+        stop=stop,
     )
 
 
@@ -285,7 +288,12 @@ def _loop_config(settings: SamplerSettings, n: int, devices: int | None) -> Loop
     s, t = settings, int(settings.max_new_tokens)
     compact_rows = s.compact_rows
     if compact_rows is None:
-        can_stop_early = bool(s.eos_ids) or bool(s.repetition_ngram) or s.max_lengths is not None
+        can_stop_early = (
+            bool(s.eos_ids)
+            or bool(s.repetition_ngram)
+            or s.max_lengths is not None
+            or s.stop is not None
+        )
         compact_rows = auto_compact_rows(n, can_stop_early, devices, t)
     return LoopConfig(
         max_new_tokens=t,
@@ -327,6 +335,7 @@ def sampler_programs(
         max_lengths=max_lengths,
         repetition_count=settings.repetition_count,
         pad_id=settings.pad_id,
+        stop=settings.stop,
     )
     return prefill_jit, decode_jit, knobs
 

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 
 from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.sampling.select import select_tokens
+from jaxgrpo.sampling.stop_strings import StopTables
 
 StepFn = Callable[[PyTree, Array, Array, Any], tuple[Array, Any]]
 
@@ -40,6 +41,7 @@ class StopReason(enum.IntEnum):
     LENGTH = 0  # reached max_new_tokens or its own per-row maximum length
     STOP_TOKEN = 1  # emitted one of the stop (eos) tokens; it is included in the mask
     REPETITION = 2  # its tail became a block of <= n tokens repeated k times (repetition guard)
+    STOP_STRING = 3  # its text completed a stop string; the completing token is in the mask
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,6 +103,7 @@ class Knobs:
       max_len_R: int32 [R]; per-row maximum number of new tokens (<= T).
       repetition_count: int32 scalar k of the repetition guard.
       pad_id: int32 scalar written into ``tokens`` after a row stopped.
+      stop: the stop strings' tables (``StopTables``), or None without stop strings.
     """
 
     temperature_RT: Array
@@ -109,6 +112,7 @@ class Knobs:
     max_len_R: Array
     repetition_count: Array
     pad_id: Array
+    stop: StopTables | None = None
 
 
 @flax.struct.dataclass
@@ -126,6 +130,8 @@ class SamplingState:
       stop_reason_R: int32 [R]; a ``StopReason`` (LENGTH until something else stops the row).
       repeat_run_RQ: int32 [R, Q] with Q = max(repetition_ngram, 1); for each block length
         q = 1..Q, how many consecutive recent tokens equal the token q positions earlier.
+      partial_RSL: bool [R, S, L]; each row's match state of the stop strings
+        (``StopTables``); [R, 1, 1] without stop strings.
       cache: the step function's cache pytree, R rows.
       rng: PRNG key of the whole call; step keys are ``fold_in(rng, step)``.
     """
@@ -138,6 +144,7 @@ class SamplingState:
     done_R: Array
     stop_reason_R: Array
     repeat_run_RQ: Array
+    partial_RSL: Array
     cache: Any
     rng: Array
 
@@ -174,9 +181,17 @@ def _record(
         need_Q = block_Q * (knobs.repetition_count - 1)
         hit_RQ = repeat_run_RQ >= jnp.broadcast_to(need_Q, repeat_run_RQ.shape)
         stop_rep_R = jnp.any(hit_RQ, axis=1) & active_R & ~stop_tok_R
+    partial_RSL = state.partial_RSL
+    stop_str_R = jnp.zeros_like(active_R)
+    if knobs.stop is not None:
+        after_RSL, hit_R = knobs.stop.advance(partial_RSL, token_R)
+        partial_RSL = jnp.where(active_R[:, None, None], after_RSL, partial_RSL)
+        stop_str_R = hit_R & active_R & ~stop_tok_R
+        stop_rep_R &= ~stop_str_R
     stop_len_R = active_R & (lengths_R >= knobs.max_len_R)
 
     reason_R = jnp.where(stop_rep_R, StopReason.REPETITION, state.stop_reason_R)
+    reason_R = jnp.where(stop_str_R, StopReason.STOP_STRING, reason_R)
     reason_R = jnp.where(stop_tok_R, StopReason.STOP_TOKEN, reason_R).astype(jnp.int32)
     column = (0, step)
     return state.replace(
@@ -187,9 +202,10 @@ def _record(
             state.mask_RT, active_R[:, None].astype(jnp.int32), column
         ),
         lengths_R=lengths_R,
-        done_R=state.done_R | stop_tok_R | stop_rep_R | stop_len_R,
+        done_R=state.done_R | stop_tok_R | stop_rep_R | stop_str_R | stop_len_R,
         stop_reason_R=reason_R,
         repeat_run_RQ=repeat_run_RQ,
+        partial_RSL=partial_RSL,
     )
 
 
@@ -261,6 +277,7 @@ def prefill(
         done_R=jnp.zeros((n,), bool),
         stop_reason_R=jnp.full((n,), StopReason.LENGTH, jnp.int32),
         repeat_run_RQ=jnp.zeros((n, max(cfg.repetition_ngram, 1)), jnp.int32),
+        partial_RSL=knobs.stop.start(n) if knobs.stop is not None else jnp.ones((n, 1, 1), bool),
         cache=cache,
         rng=rng,
     )
@@ -275,6 +292,7 @@ ROW_FIELDS = (
     "done_R",
     "stop_reason_R",
     "repeat_run_RQ",
+    "partial_RSL",
 )
 
 

@@ -34,22 +34,25 @@ from jaxgrpo.sampling.settings import SamplerSettings
 @functools.lru_cache(maxsize=32)
 def resume_program(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig):
     """Jitted ``resume(states, cache, rows_N, valid_until_N, next_pos_N, ids_NK, mask_NK,
-    knobs, rng, width) -> SamplingState``: a later turn of an episode from the kept cache of
-    the turn before (``LayerKVCache.resume``: rows ``rows_N``, each one's slots before
-    ``valid_until_N`` moved into ``width`` slots), the appended ids [N, K] (left-padded)
+    knobs, rng, width, room) -> SamplingState``: a later turn of an episode from the kept
+    cache of the turn before (``LayerKVCache.resume``: rows ``rows_N``, each one's slots
+    before ``valid_until_N`` moved into ``width`` slots), the appended ids [N, K] (left-padded)
     through the decode layers in one pass, and token 0 sampled; ``decode`` goes on from it.
-    Only the appended ids are computed again, not the prompt and the episode so far."""
+    Only the appended ids are computed again, not the prompt and the episode so far. The
+    cache gets ``room`` (>= K) slots for the appended ids whatever K, so the decode program
+    and the next turn's ``resume`` have one shape for every result width."""
 
     def resume_fn(
-        states, cache, rows_N, valid_until_N, next_pos_N, ids_NK, mask_NK, knobs, rng, width
-    ):
+        states, cache, rows_N, valid_until_N, next_pos_N, ids_NK, mask_NK, knobs, rng, width,
+        room,
+    ):  # fmt: skip
         model = _sampling_model(graphdef, states, model_cfg)
-        new_slots = ids_NK.shape[1] + cfg.max_new_tokens
+        new_slots = max(room, ids_NK.shape[1]) + cfg.max_new_tokens
         cache = cache.resume(rows_N, valid_until_N, next_pos_N, width, new_slots)
         state = prefill(_decode_step_fn(model), None, ids_NK, mask_NK, cache, knobs, rng, cfg)
         return _rows_to(state, model.shard_ctx)
 
-    return jax.jit(resume_fn, static_argnames=("width",))
+    return jax.jit(resume_fn, static_argnames=("width", "room"))
 
 
 def resume_settings(settings: SamplerSettings) -> SamplerSettings:
@@ -81,6 +84,7 @@ def resume_from_state(
     settings: SamplerSettings,
     *,
     rng: Array,
+    room: int = 0,
 ) -> SampleOutput:
     """A later turn of an episode for N rows of an earlier call's kept ``cache``
     (``SampleOutput.cache``), prefilling only the ids appended since (a tool's result).
@@ -97,6 +101,8 @@ def resume_from_state(
       settings: as ``generate_from_state``'s (``resume_settings`` applied); ``max_lengths``
         [N] is each row's remaining budget.
       rng: this turn's key.
+      room: cache slots for the appended ids (static; at least K, which 0 means): one value
+        for every turn of a run keeps the later turns' programs to one shape.
 
     Returns:
       ``SampleOutput`` of N rows; the i-th appended id and the sampled token j sit at
@@ -107,6 +113,6 @@ def resume_from_state(
     as_int = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     state = resume_jit(
         tuple(states), cache, as_int(rows), as_int(valid_until), as_int(next_pos), ids,
-        as_int(mask), knobs, rng, width=width,
+        as_int(mask), knobs, rng, width=width, room=room,
     )  # fmt: skip
     return _output(decode_jit(tuple(states), state, knobs), knobs)

@@ -10,10 +10,12 @@ so changing them between calls compiles nothing.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 from jaxgrpo.core.shapes import Array
+from jaxgrpo.sampling.stop_strings import StopTables, check_stop_strings, token_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +44,10 @@ class SamplerSettings:
         The completions are the same whatever ``compact_rows`` and ``cache_sizes``.
       keep_cache: return the KV cache (``SampleOutput.cache``) for a later turn of an
         episode to continue from (static).
+      stop_strings: a row stops at the token whose text completes one of these (the token
+        kept); () = none. Set through ``for_tokenizer``, which builds ``stop``.
+      stop: the strings' per-token tables (``StopTables``, traced: other strings of the same
+        count and length compile nothing new), or None.
     """
 
     max_new_tokens: int
@@ -59,20 +65,45 @@ class SamplerSettings:
     compact_rows: int | Sequence[int] | None = None
     cache_sizes: Sequence[int] | None = None
     keep_cache: bool = False
+    stop_strings: tuple[str, ...] = ()
+    stop: StopTables | None = None
 
     @classmethod
-    def for_tokenizer(cls, tokenizer: Any, **fields: Any) -> SamplerSettings:
-        """Settings that stop at ``tokenizer``'s stop tokens and pad with its pad id."""
-        return cls(eos_ids=tuple(tokenizer.eos_ids), pad_id=tokenizer.pad_id, **fields)
+    def for_tokenizer(
+        cls, tokenizer: Any, *, stop_strings: Sequence[str] = (), **fields: Any
+    ) -> SamplerSettings:
+        """Settings that stop at ``tokenizer``'s stop tokens and ``stop_strings``, and pad with
+        its pad id."""
+        strings = tuple(dict.fromkeys(stop_strings))
+        return cls(
+            eos_ids=tuple(tokenizer.eos_ids),
+            pad_id=tokenizer.pad_id,
+            stop_strings=strings,
+            stop=stop_tables(tokenizer, strings) if strings else None,
+            **fields,
+        )
+
+    def with_stop_strings(self, tokenizer: Any, strings: Sequence[str]) -> SamplerSettings:
+        """These settings stopping at ``strings`` too (a tool format's closing tags)."""
+        merged = tuple(dict.fromkeys((*self.stop_strings, *strings)))
+        if merged == self.stop_strings:
+            return self
+        return dataclasses.replace(
+            self, stop_strings=merged, stop=stop_tables(tokenizer, merged) if merged else None
+        )
 
     @classmethod
-    def from_config(cls, sampling: Any, tokenizer: Any, *, num_samples: int) -> SamplerSettings:
+    def from_config(
+        cls, sampling: Any, tokenizer: Any, *, num_samples: int, stop_strings: Sequence[str] = ()
+    ) -> SamplerSettings:
         """A run's rollouts: its ``SamplingConfig`` (``sampling``, read by field: the config
-        lies above the sampler), the tokenizer's stop and pad ids, G = ``num_samples``. The
-        temperature is the schedule's start; a step replaces it with its own."""
+        lies above the sampler), the tokenizer's stop and pad ids, ``sampling.stop`` and
+        ``stop_strings`` (a tool format's), G = ``num_samples``. The temperature is the
+        schedule's start; a step replaces it with its own."""
         n, k = sampling.repetition_guard
         return cls.for_tokenizer(
             tokenizer,
+            stop_strings=(*getattr(sampling, "stop", ()), *stop_strings),
             max_new_tokens=sampling.max_new_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -82,3 +113,9 @@ class SamplerSettings:
             repetition_ngram=n,
             repetition_count=k,
         )
+
+
+@functools.lru_cache(maxsize=8)
+def stop_tables(tokenizer: Any, strings: tuple[str, ...]) -> StopTables:
+    """``StopTables`` of ``strings`` over ``tokenizer``'s vocabulary, built once per pair."""
+    return StopTables.build(check_stop_strings(strings), token_bytes(tokenizer.hf))

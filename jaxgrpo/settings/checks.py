@@ -29,6 +29,7 @@ from jaxgrpo.rl.batch_layout import check_batch_layout
 from jaxgrpo.rl.kl import KL_ESTIMATORS
 from jaxgrpo.rl.loss_spec import LOSS_PRESETS
 from jaxgrpo.sampling.schedules import SCHEDULES
+from jaxgrpo.sampling.stop_strings import check_stop_strings
 
 
 def unknown_key_error(key: str, parent: Any, part: str) -> ConfigError:
@@ -43,17 +44,23 @@ def unknown_key_error(key: str, parent: Any, part: str) -> ConfigError:
 # Validation.
 
 
+# Keys whose values are of more than one type (checked by their section's check).
+_ANY_TYPE = ("rewards.conversational",)
+
+
 def _check_schema(value: Any, default: Any, key: str) -> None:
     """Unknown keys and wrong types, recursively against the base config's defaults."""
     if isinstance(default, ConfigDict):
         if not isinstance(value, ConfigDict | Mapping):
             raise ConfigError(f"config key {key!r} must be a section, got {value!r}")
-        if key.endswith("kwargs"):  # free-form keyword arguments for the task
+        if key.endswith("kwargs") or key == "agent.environments":  # free-form: the user's names
             return
         for sub in value.keys():
             if sub not in default:
                 raise unknown_key_error(f"{key}.{sub}".lstrip("."), default, sub)
             _check_schema(value[sub], default[sub], f"{key}.{sub}".lstrip("."))
+        return
+    if key in _ANY_TYPE:
         return
     if isinstance(default, bool):
         ok = isinstance(value, bool)
@@ -107,6 +114,9 @@ def _check_rewards(cfg: ConfigDict) -> None:
         if len(entry) == 3:
             _require(isinstance(entry[2], Mapping), key, "kwargs must be a dict", entry[2])
     _one_of(cfg, "rewards.reward_on_error", ("none", "raise"))
+    chats = cfg.rewards.conversational
+    ok = isinstance(chats, bool) or (isinstance(chats, str) and chats == "auto")
+    _require(ok, "rewards.conversational", "must be True, False or 'auto'", chats)
     failed = cfg.rewards.max_failed_steps
     _require(failed >= 1, "rewards.max_failed_steps", "must be >= 1", failed)
     for key in ("timeout_s", "max_memory_gb"):
@@ -131,6 +141,12 @@ def _check_sampling(cfg: ConfigDict) -> None:
     ok = len(guard) == 2 and all(isinstance(g, int) and g >= 0 for g in guard)
     ok = ok and (guard[0] == 0 or guard[1] >= 2)
     _require(ok, "sampling.repetition_guard", "(n, k) ints, n = 0 off, else k >= 2", guard)
+    stop = s.stop
+    _require(isinstance(stop, tuple | list), "sampling.stop", "must be a tuple of strings", stop)
+    try:
+        check_stop_strings(stop, "'sampling.stop'")
+    except ValueError as e:
+        raise ConfigError(f"config key {e}") from None
 
 
 def _check_task(task: ConfigDict) -> None:
@@ -221,6 +237,13 @@ def _check_agent(cfg: ConfigDict) -> None:
     env = a.environment
     ok = env == "" or "." in env or ":" in env
     _require(ok, "agent.environment", "must be a dotted name ('my_pkg.envs.Game') or ''", env)
+    for name, path in a.environments.items():
+        ok = isinstance(path, str) and ("." in path or ":" in path)
+        msg = "must be a dotted name ('my_pkg.envs.Game')"
+        _require(ok, f"agent.environments.{name}", msg, path)
+    both = bool(env and a.environments)
+    msg = "set agent.environment (one environment) or agent.environments (several), not both"
+    _require(not both, "agent.environments", msg, dict(a.environments))
     _one_of(cfg, "agent.format", ("auto", *FORMATS))
     _require(a.max_turns >= 1, "agent.max_turns", "must be >= 1", a.max_turns)
     _require(a.max_tool_tokens >= 1, "agent.max_tool_tokens", "must be >= 1", a.max_tool_tokens)

@@ -48,12 +48,13 @@ class TaskConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RewardsConfig:
-    """``RewardSet`` specs: (name, weight[, kwargs]), weight a float or a curriculum dict."""
+    """``RewardSet`` specs: (name, weight[, kwargs]), weight a float or a curriculum dict;
+    ``conversational``: True, False or ``"auto"`` (``RewardSet``'s)."""
 
     functions: tuple[tuple[Any, ...], ...]
     reward_on_error: str
     max_failed_steps: int
-    conversational: bool
+    conversational: bool | str
     timeout_s: float
     max_memory_gb: float
 
@@ -82,6 +83,7 @@ class SamplingConfig:
     top_k: int
     min_p: float
     repetition_guard: tuple[int, int]
+    stop: tuple[str, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,6 +202,7 @@ class AgentConfig:
 
     tools: tuple[str, ...]
     environment: str
+    environments: dict[str, str]
     environment_reward_weight: float
     max_turns: int
     max_tool_tokens: int
@@ -209,7 +212,7 @@ class AgentConfig:
     @property
     def enabled(self) -> bool:
         """Whether rollouts are episodes with tools (else single completions)."""
-        return bool(self.tools or self.environment)
+        return bool(self.tools or self.environment or self.environments)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +286,7 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
             **s
             | {k: _schedule(s[k]) for k in ("temperature_schedule", "position_schedule")}
             | _tuple(s, "repetition_guard")
+            | _tuple(s, "stop")
         ),
         rl=RLConfig(**d["rl"] | {"adv_scale": resolve_adv_scale(d["rl"])}),
         optim=OptimConfig(**d["optim"]),
@@ -293,6 +297,7 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
         agent=AgentConfig(
             **d["agent"]
             | _tuple(d["agent"], "tools")
+            | {"environments": dict(d["agent"]["environments"])}
             | {"tool_timeout_s": float(d["agent"]["tool_timeout_s"])}
             | {"environment_reward_weight": float(d["agent"]["environment_reward_weight"])}
         ),
