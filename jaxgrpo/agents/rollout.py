@@ -2,17 +2,20 @@
 results' tokens, and sample again only the rows that called a tool, until a turn without a
 call, ``AgentLimits.max_turns`` or the token budget.
 
-Token ids in, token ids out: a turn's ids are the ids the sampler drew, cut after its last call
-where the format stops there (``stop_strings``: the tag format's closing tags; what was sampled
-after is dropped, never trained on), and the model's text is decoded only to parse its calls,
-never tokenized again. A result's text is tokenized once, as the format renders it, and its ids
-carry model mask 0: the loss must not train on them.
+Token ids in, token ids out: a turn's ids are the ids the sampler drew, which stops a calling
+turn at the format's stop strings (the tag format's closing tags) inside its compiled loop; the
+model's text is decoded only to parse its calls, never tokenized again. What follows a call is
+exactly the format's text whatever the tokenizer merged into the call's last id (``seam``). A
+result's text is tokenized once, as the format renders it, and its ids carry model mask 0: the
+loss must not train on them.
 
 The budget is TRL's: ``max_new_tokens`` counts the whole episode after the prompt, results
-included. A later turn continues each calling row from the KV cache of its turn before
-(``Resume``): only the turn's last kept id and the results' ids are computed, not the prompt and
-the episode so far. A sampler without a cache (a test's script) reads the row's whole context,
-which every later turn also gets.
+included; results that would overflow it are left out whole and the episode ends (TRL's
+rollback), and a call in the last allowed turn is not run; both are counted (``Turn.not_run``).
+A later turn continues each calling row from the KV cache of its turn before (``Resume``): only
+the turn's last kept id and the results' ids are computed, not the prompt and the episode so
+far. A sampler without a cache (a test's script) reads the row's whole context, which every
+later turn also gets.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 
 from jaxgrpo.agents.episode import Episode
 from jaxgrpo.agents.formats import ToolFormat
+from jaxgrpo.agents.seam import cut_turn
 from jaxgrpo.agents.share import RowShare
 from jaxgrpo.agents.tools import Toolbox
 from jaxgrpo.models.tokenizer import bucket_length
@@ -49,6 +53,7 @@ class Resume:
       ids / mask: [N, K] left-padded: each row's last kept id (which may not be in the cache:
         a row's last sampled id is not fed back), then its results' ids.
       width: completion slots that hold every row's earlier ids.
+      room: cache slots for the appended ids (``chunk_room``), the same for every turn.
     """
 
     rows: np.ndarray
@@ -57,6 +62,17 @@ class Resume:
     ids: np.ndarray
     mask: np.ndarray
     width: int
+    room: int = 0
+
+
+CHUNK = 16  # the appended ids of a later turn: this many, or ``chunk_room`` when longer
+
+
+def chunk_room(max_new_tokens: int) -> int:
+    """Slots for a later turn's appended ids (its last kept id and the results, fewer than the
+    episode's ``max_new_tokens``). A turn appends ``CHUNK`` ids, or this many when its results
+    are longer, so a run's later turns have two shapes, both compiled on its first step."""
+    return bucket_length(max_new_tokens, CHUNK)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,28 +136,9 @@ class _Row:
         )
 
 
-def turn_end(tokenizer: Any, ids: Sequence[int], stop_strings: Sequence[str]) -> int:
-    """How many of a turn's ``ids`` to keep: up to the first id whose text completes one of
-    ``stop_strings`` (the fewest ids whose decoded text contains it), else all of them."""
-    if not stop_strings:
-        return len(ids)
-
-    def stops(k: int) -> bool:
-        text = tokenizer.hf.decode(list(ids[:k]))
-        return any(s in text for s in stop_strings)
-
-    if not stops(len(ids)):
-        return len(ids)
-    lo, hi = 0, len(ids)  # stops(hi), not stops(lo)
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if stops(mid) else (mid, hi)
-    return hi
-
-
-def _result_ids(tokenizer: Any, fmt: ToolFormat, calls, results, limit: int) -> tuple[list, int]:
-    """The ids of a turn's rendered results, each result's text first cut to ``limit`` tokens;
-    and how many were cut."""
+def _result_texts(tokenizer: Any, calls, results, limit: int) -> tuple[list, int]:
+    """(name, text) of a turn's results, each text first cut to ``limit`` tokens; and how
+    many were cut."""
     texts, cut = [], 0
     for call, result in zip(calls, results, strict=True):
         ids = tokenizer.hf.encode(result.text, add_special_tokens=False)
@@ -149,7 +146,7 @@ def _result_ids(tokenizer: Any, fmt: ToolFormat, calls, results, limit: int) -> 
         if len(ids) > limit:
             text, cut = tokenizer.hf.decode(ids[:limit]), cut + 1
         texts.append((call.name or "", text))
-    return tokenizer.hf.encode(fmt.render_results(texts), add_special_tokens=False), cut
+    return texts, cut
 
 
 def _left_padded(rows: Sequence[list[int]], pad_id: int, min_bucket: int) -> tuple:
@@ -193,37 +190,55 @@ def run_episodes(
     for turn in range(limits.max_turns):
         tokens, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
         logprobs, temps = np.asarray(out.logprobs), np.asarray(out.temperatures)
-        calling = {}  # row -> (row in the call, the turn's ids, ids kept, text, calls)
+        calling = {}  # row -> (row in the call, its seam, text, calls, whether it ended)
         for i, r in enumerate(live):
             row, ids = rows[r], tokens[i, : int(lengths[i])].tolist()
-            ended = bool(ids) and ids[-1] in eos
-            keep = turn_end(tokenizer, ids, stop_strings)
-            if keep < len(ids):
-                ended = False  # cut at a call: the turn goes on after its result
-            row.extend(ids[:keep], 1, logprobs[i, :keep], temps[i, :keep])
-            text_ids = ids[: keep - 1] if ended and keep == len(ids) else ids[:keep]
-            text = tokenizer.hf.decode(text_ids, skip_special_tokens=False)
+            seam = cut_turn(tokenizer, ids, stop_strings)
+            # A turn cut at a stop string goes on after its results; one that sampled its
+            # end-of-turn id has the format's text follow that id.
+            ended = not seam.at_stop and bool(ids) and ids[-1] in eos
+            text = tokenizer.hf.decode(ids[:-1], skip_special_tokens=False) if ended else seam.text
             calls = fmt.parse(text)
-            if not calls or turn == limits.max_turns - 1 or max_new_tokens - len(row.ids) <= 1:
-                row.episode.add_turn(text)
-            else:
-                calling[r] = (i, ids, keep, text, calls)
+            last = turn == limits.max_turns - 1 or max_new_tokens - len(row.ids) - len(seam.ids) < 1
+            if calls and not last:
+                calling[r] = (i, seam, text, calls, ended)
+                continue
+            keep = len(seam.ids)
+            row.extend(seam.ids, 1, logprobs[i, :keep], temps[i, :keep])
+            record = tokenizer.hf.decode(
+                seam.ids[:-1] if ended else seam.ids, skip_special_tokens=False
+            )
+            row.episode.add_turn(record if not seam.at_stop else text, not_run=len(calls))
         # Each row's calls run on its owner's process only; every process gets the results.
-        run = lambda r, calls=calling: [  # noqa: E731
-            toolboxes[r].run(c, limits.tool_timeout_s) for c in calls[r][4]
-        ]
+        # A turn's async calls run concurrently (``Toolbox.run_all``).
+        run = lambda r, calls=calling: toolboxes[r].run_all(  # noqa: E731
+            calls[r][3], limits.tool_timeout_s
+        )
         results = share.map_rows(calling, n_rows, run, "a tool result")
         going, resume = [], []
-        for r, (i, ids, keep, text, calls) in calling.items():
+        for r, (i, seam, text, calls, ended) in calling.items():
             row = rows[r]
-            result_ids, cut = _result_ids(tokenizer, fmt, calls, results[r], limits.max_tool_tokens)
+            texts, cut = _result_texts(tokenizer, calls, results[r], limits.max_tool_tokens)
+            follow = fmt.render_results(texts)
+            if not fmt.same_turn and not ended:
+                follow = fmt.turn_end + follow  # the turn was cut before its end-of-turn id
+            kept, tail = seam.join(follow)
+            appended = tokenizer.hf.encode(tail, add_special_tokens=False)
+            if len(row.ids) + len(kept) + len(appended) > max_new_tokens:
+                # Results that overflow the budget are left out whole (TRL rolls them back):
+                # the episode ends with the call's turn, its calls counted as not run.
+                kept, appended = seam.ids, []
+            n = len(kept)
+            row.extend(kept, 1, logprobs[i, :n], temps[i, :n])
+            if not appended:
+                row.episode.add_turn(text, not_run=len(calls))
+                continue
             row.episode.add_turn(text, calls, results[r], cut)
-            appended = result_ids[: max_new_tokens - len(row.ids) - 1]
             row.extend(appended, 0)
             if len(row.ids) < max_new_tokens:
                 going.append(r)
                 # (row in the call, slots it keeps, chunk: the last kept id and the results)
-                resume.append((i, start + keep - 1, [ids[keep - 1], *appended]))
+                resume.append((i, start + len(kept) - 1, [kept[-1], *appended]))
         if not going:
             break
         live = going
@@ -239,14 +254,52 @@ def run_episodes(
     return _as_batch(rows, max_new_tokens, tokenizer.pad_id, eos)
 
 
+def warm_later_turns(
+    sample: Sampler,
+    prompt_ids: np.ndarray,
+    prompt_mask: np.ndarray,
+    *,
+    group: int,
+    max_new_tokens: int,
+    pad_id: int,
+) -> None:
+    """Compiles every program a later turn of these prompts' episodes can run, so that no
+    step after this one compiles: a later turn resumes from a first turn's cache or from a
+    later turn's, with ``CHUNK`` or ``chunk_room`` appended ids (four ``resume`` shapes, one
+    ``decode``). Each call samples one token per row, from dummy ids, and is thrown away."""
+    n = np.asarray(prompt_ids).shape[0] * group
+    ones = np.ones(n, np.int32)
+    t, room = max_new_tokens, chunk_room(max_new_tokens)
+
+    def resume(k: int) -> Resume:
+        ids = np.full((n, k), pad_id, np.int32)
+        mask = np.zeros((n, k), np.int32)
+        mask[:, -1] = 1
+        rows = np.arange(n, dtype=np.int32)
+        return Resume(
+            rows, ones, ones * prompt_ids.shape[1], ids, mask, bucket_length(t - 1, 16), room
+        )
+
+    for widths in ((CHUNK, CHUNK, room), (room,)):
+        sample(prompt_ids, prompt_mask, group, ones, 0, None)
+        for turn, k in enumerate(widths, start=1):
+            step = resume(k)
+            sample(step.ids, step.mask, 1, ones, turn, step)
+
+
 def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: int, t: int):
     """The ``Resume`` of a later turn: ``going`` holds (row in the previous call, slots it
     keeps, its chunk) for each of ``rows`` (already extended by the chunk), then ``extra``
     padding rows repeat the first. Earlier ids fit ``bucket_length(t - 1)`` slots (an episode
-    has fewer than ``t`` before a result), chunks a bucket of at least 16."""
+    has fewer than ``t`` before a result), chunks ``CHUNK`` or ``chunk_room(t)`` ids."""
     earlier = [len(row.ids) - len(chunk) for row, (_, _, chunk) in zip(rows, going, strict=True)]
     positions = [len(row.prompt) + n for row, n in zip(rows, earlier, strict=True)]
-    ids, mask = _left_padded([chunk for _, _, chunk in going], pad_id, 16)
+    room = chunk_room(t)
+    longest = max(len(chunk) for _, _, chunk in going)
+    ids, mask = _left_padded([chunk for _, _, chunk in going], pad_id, CHUNK)
+    if ids.shape[1] > CHUNK:  # one wide shape for every longer chunk
+        ids, mask = _left_padded([chunk for _, _, chunk in going], pad_id, room)
+    assert longest <= room, (longest, room)
     pad = lambda x: np.concatenate([np.asarray(x), np.asarray(x)[:1].repeat(extra, 0)])  # noqa: E731
     return Resume(
         rows=pad([i for i, _, _ in going]).astype(np.int32),
@@ -255,6 +308,7 @@ def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: in
         ids=pad(ids),
         mask=pad(mask),
         width=bucket_length(t - 1, 16),
+        room=room,
     )
 
 

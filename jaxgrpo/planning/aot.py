@@ -28,6 +28,7 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo.agents import Agent
+from jaxgrpo.agents.rollout import chunk_room
 from jaxgrpo.core import presets, sharding
 from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
 from jaxgrpo.models.config import ModelConfig
@@ -45,8 +46,6 @@ from jaxgrpo.settings.model import model_config
 # Characters per token of the tools' description (no model tokenizer is loaded): a large-vocab
 # tokenizer's rate on JSON and English (Llama 3's 128k; SmolLM2's 49k takes 3.6 on the python tool).
 TOOL_CHARS_PER_TOKEN = 4
-# Tokens a turn's rendered results add around their text (tags, role headers), at most.
-RESULT_TAG_TOKENS = 32
 
 
 def topology_devices(preset: presets.Preset) -> list:
@@ -153,7 +152,7 @@ def _knobs(knobs, replicated):
 
 def tool_prompt_tokens(agent: Agent | None) -> int:
     """Tokens the tools' description adds to a prompt at ``TOOL_CHARS_PER_TOKEN`` (0: none)."""
-    return 0 if agent is None else math.ceil(len(agent.instructions) / TOOL_CHARS_PER_TOKEN)
+    return 0 if agent is None else math.ceil(agent.prompt_chars / TOOL_CHARS_PER_TOKEN)
 
 
 def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> tuple[list, Any]:
@@ -208,15 +207,15 @@ def _continuation(learner: Learner, p: int, t: int, first_turn: Any) -> list[Pro
     """Compiles the sampler of an episode's later turns (``jaxgrpo.agents.rollout``) at its
     largest: every row calls a tool (padded as there), each continued from the first turn's
     kept cache (``first_turn``, the decode's abstract output) with up to T - 1 earlier ids and
-    an appended chunk of its last kept id and ``agent.max_tool_tokens`` of results plus
-    ``RESULT_TAG_TOKENS`` of the format's text, then one sample with its own budget."""
+    the widest appended chunk (``chunk_room``: its last kept id and results), then one sample
+    with its own budget."""
     rl, mesh, step = learner.rl, learner.mesh, learner.programs
     rows = bucket_length(rl.prompts_per_step * rl.group_size, 1)
     rows += -rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     settings = dataclasses.replace(
         learner.sampler_settings(0), max_lengths=np.full(rows, t, np.int32)
     )
-    k = bucket_length(1 + learner.cfg.agent.max_tool_tokens + RESULT_TAG_TOKENS, 1)
+    k = chunk_room(t)
     batch = lambda shape: abstract_array(  # noqa: E731
         np.zeros(shape, np.int32), sharding.batch_sharding(mesh, rows, len(shape))
     )
@@ -231,8 +230,9 @@ def _continuation(learner: Learner, p: int, t: int, first_turn: Any) -> list[Pro
     context = p + width + k
     f = (flops.prefill(cfg, rows, k),) * 2, (flops.decode(cfg, rows, context, t),) * 2
     w = flops.weight_bytes(cfg) / mesh.size
-    first = _compile("continue/resume", resume, args, turns, f[0], w, kwargs={"width": width})
-    state = jax.eval_shape(functools.partial(resume, width=width), *args)
+    kwargs = {"width": width, "room": ids.shape[1]}
+    first = _compile("continue/resume", resume, args, turns, f[0], w, kwargs=kwargs)
+    state = jax.eval_shape(functools.partial(resume, **kwargs), *args)
     return [first, _decode(learner, "continue", decode, first, state, knobs, turns, f[1], t)[0]]
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxgrpo.agents import Toolbox, calc, get_format
-from jaxgrpo.agents.rollout import AgentLimits, run_episodes, turn_end
+from jaxgrpo.agents.rollout import AgentLimits, run_episodes
+from jaxgrpo.agents.seam import turn_end
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 
@@ -207,7 +208,9 @@ def test_greedy_continuation_equals_greedy_decoding_of_the_whole_context(tok):
 
 class EveryTurnCalls:
     """A format whose every turn calls ``echo`` (the tiny random model writes no real calls):
-    each turn is kept whole and answered by ``<r>ok</r>``."""
+    each turn is kept whole and answered by ``<r>ok</r>`` in the same turn."""
+
+    same_turn = True
 
     def stop_strings(self):
         return ()
