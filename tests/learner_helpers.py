@@ -57,8 +57,7 @@ def make_learner(mesh_shape: dict, devices=None, reward=text_reward, agent=None,
     rewards = [(reward, 1.0)]
     if agent is not None:
         agent = agent(tokenizer)
-        if agent.reward_function() is not None:
-            rewards.append((agent.reward_function(), agent.reward_weight))
+        rewards += [(fn, agent.reward_weight) for fn in agent.reward_functions()]
     learner = Learner(cfg, model, tokenizer, task, RewardSet(rewards), mesh, agent)
     return learner, task
 

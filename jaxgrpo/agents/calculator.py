@@ -3,8 +3,10 @@
 The expression is parsed with ``ast`` and walked over a whitelist (numbers, ``+ - * / **``,
 unary signs, parentheses); nothing is ever ``eval``-ed, so a model cannot reach names, calls or
 attributes. Inputs that could hold the process (``9**9**9``, a long string of parentheses) are
-refused by size before they are computed. Every failure is an ``Error: ...`` string, the result
-the model reads, so a bad expression costs the model a turn rather than the run.
+refused by size before they are computed. Every failure raises ``CalcError`` saying what is
+wrong: the toolbox answers the call with that message, which the model reads, and counts the
+call as failed (``agent/failed/raised``), so a bad expression costs the model a turn rather
+than the run, and shows in the metrics rather than passing for a result.
 """
 
 from __future__ import annotations
@@ -25,22 +27,22 @@ _OPS = {
 _SIGNS = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 
 
-class _CalcError(ValueError):
-    """An expression calc refuses; the message is what the model reads."""
+class CalcError(ValueError):
+    """An expression calc refuses; the message says why (what the model reads)."""
 
 
 def _power(base: float, exponent: float) -> float:
     if isinstance(base, int) and isinstance(exponent, int) and exponent > 0:
         if abs(base) > 1 and exponent * math.log2(abs(base)) > _MAX_BITS:
-            raise _CalcError("the result is too large")
+            raise CalcError("the result is too large")
     try:
         value = base**exponent
     except OverflowError:
-        raise _CalcError("the result is too large") from None
+        raise CalcError("the result is too large") from None
     except ZeroDivisionError:  # 0 ** -1
-        raise _CalcError("division by zero") from None
+        raise CalcError("division by zero") from None
     if isinstance(value, complex):
-        raise _CalcError("the result is not a real number")
+        raise CalcError("the result is not a real number")
     return value
 
 
@@ -56,10 +58,10 @@ def _evaluate(node: ast.AST) -> float:
         if isinstance(node.op, ast.Pow):
             return _power(left, right)
         if isinstance(node.op, ast.Div) and right == 0:
-            raise _CalcError("division by zero")
+            raise CalcError("division by zero")
         value = _OPS[type(node.op)](left, right)
         if isinstance(value, int) and value.bit_length() > _MAX_BITS:
-            raise _CalcError("the result is too large")
+            raise CalcError("the result is too large")
         return value
     if isinstance(node, ast.Name):
         found = f"the name {node.id!r}"
@@ -67,7 +69,7 @@ def _evaluate(node: ast.AST) -> float:
         found = f"the operator {type(node.op).__name__}"
     else:
         found = type(node).__name__
-    raise _CalcError(f"{found} is not allowed (only numbers, + - * / ** and parentheses)")
+    raise CalcError(f"{found} is not allowed (only numbers, + - * / ** and parentheses)")
 
 
 def format_number(value: float) -> str:
@@ -75,7 +77,7 @@ def format_number(value: float) -> str:
     if isinstance(value, int):
         return str(value)
     if not math.isfinite(value):
-        raise _CalcError("the result is not a finite number")
+        raise CalcError("the result is not a finite number")
     if value.is_integer() and abs(value) < 1e15:
         return str(int(value))
     return format(value, ".12g")
@@ -88,17 +90,18 @@ def calc(expression: str) -> str:
         expression: The expression, with numbers, + - * / ** and parentheses, e.g. 3*4+5.
 
     Returns:
-        The value (17, 2.5), or a line starting with "Error:" that says what is wrong.
+        The value, e.g. 17 or 2.5.
+
+    Raises:
+        CalcError: the expression is invalid or its value cannot be given.
     """
     if len(expression) > _MAX_CHARS:
-        return f"Error: the expression is longer than {_MAX_CHARS} characters"
+        raise CalcError(f"the expression is longer than {_MAX_CHARS} characters")
     try:
         tree = ast.parse(expression.strip(), mode="eval")
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return f"Error: invalid expression {expression.strip()!r}"
+        raise CalcError(f"invalid expression {expression.strip()!r}") from None
     try:
         return format_number(_evaluate(tree))
-    except _CalcError as e:
-        return f"Error: {e}"
     except (OverflowError, RecursionError):
-        return "Error: the result is too large"
+        raise CalcError("the result is too large") from None

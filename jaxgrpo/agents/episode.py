@@ -2,9 +2,11 @@
 
 The rollout (which owns the token ids and the loss mask) appends one ``Turn`` per model turn:
 the turn's text, the calls parsed from it and the results returned to the model. From the
-record come the conversation in TRL's conversational form (``Episode.to_messages``), which
-reward functions written for TRL's tool-calling ``GRPOTrainer`` read, and the step's agent
-metrics (``metrics``).
+record come the model's own text (``Episode.model_text``, the one text every answer and format
+reward and every accuracy figure grades, so neither a tool's output nor a call's arguments can
+supply the answer), the conversation in TRL's conversational form (``Episode.to_messages``),
+which reward functions written for TRL's tool-calling ``GRPOTrainer`` read, and the step's
+agent metrics (``metrics``).
 """
 
 from __future__ import annotations
@@ -26,16 +28,30 @@ class Turn:
       calls: the calls parsed from ``text``, malformed ones included, in order.
       results: one per call, in the same order: what the model read back.
       truncated: how many of ``results`` the rollout cut to ``max_tool_tokens``.
+      not_run: calls the turn wrote that were never run (the episode ended first: its turn
+        limit or token budget); they are in ``text`` only.
     """
 
     text: str
     calls: list[ToolCall] = dataclasses.field(default_factory=list)
     results: list[ToolResult] = dataclasses.field(default_factory=list)
     truncated: int = 0
+    not_run: int = 0
 
     def __post_init__(self):
         if len(self.calls) != len(self.results):
             raise ValueError(f"{len(self.calls)} calls but {len(self.results)} results")
+
+    @property
+    def content(self) -> str:
+        """The turn's text without the calls that were read (they are actions, not what the
+        model says), stripped: its assistant message's ``content`` (``Episode.to_messages``).
+        A malformed call stays in the text."""
+        content = self.text
+        for call in self.calls:
+            if call.error is None:
+                content = content.replace(call.raw, "", 1)
+        return content.strip()
 
 
 @dataclasses.dataclass
@@ -51,10 +67,23 @@ class Episode:
         calls: Sequence[ToolCall] = (),
         results: Sequence[ToolResult] = (),
         truncated: int = 0,
+        not_run: int = 0,
     ) -> Turn:
-        turn = Turn(text, list(calls), list(results), truncated)
+        turn = Turn(text, list(calls), list(results), truncated, not_run)
         self.turns.append(turn)
         return turn
+
+    @property
+    def model_text(self) -> str:
+        """What the model said: its turns' ``content`` (the assistant messages' contents of
+        ``to_messages``), one per line.
+
+        Graders read this, never the whole episode: it is text of the ids with model mask 1
+        only, less the calls it made. A result is text a tool printed, and a call's arguments
+        are the tool's input: with either graded, ``print("<answer>18</answer>")`` would pass
+        for the model's answer.
+        """
+        return "\n".join(turn.content for turn in self.turns if turn.content)
 
     @property
     def num_turns(self) -> int:
@@ -86,11 +115,8 @@ class Episode:
         """
         messages = [dict(m) for m in prompt_messages]
         for turn in self.turns:
-            content = turn.text
             read = [c for c in turn.calls if c.error is None]
-            for call in read:
-                content = content.replace(call.raw, "", 1)
-            message: dict = {"role": "assistant", "content": content.strip()}
+            message: dict = {"role": "assistant", "content": turn.content}
             if read:
                 message["tool_calls"] = [
                     {"type": "function", "function": {"name": c.name, "arguments": c.arguments}}
@@ -132,6 +158,8 @@ def metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     """The step's agent metrics, means over ``episodes``.
 
     - ``agent/tool_calls``, ``agent/turns``, ``agent/truncated_results``: per episode;
+    - ``agent/episodes_with_call``: the share of episodes that made a call;
+    - ``agent/calls_not_run``: calls per episode that were not run (``Turn.not_run``);
     - ``agent/failed``: failed calls per episode; ``agent/failed/<kind>`` by error kind;
     - ``agent/failed_frac``: failed calls over all calls (0 without calls).
     """
@@ -146,6 +174,8 @@ def metrics(episodes: Sequence[Episode]) -> dict[str, float]:
     out = {
         "agent/tool_calls": calls / n,
         "agent/turns": sum(e.num_turns for e in episodes) / n,
+        "agent/episodes_with_call": sum(e.tool_calls > 0 for e in episodes) / n,
+        "agent/calls_not_run": sum(t.not_run for e in episodes for t in e.turns) / n,
         "agent/truncated_results": sum(e.truncated_results for e in episodes) / n,
         "agent/failed": failed / n,
         "agent/failed_frac": failed / calls if calls else 0.0,

@@ -12,8 +12,15 @@ A format owns three pieces of text, and nothing else (no tokenizer, no sampler):
   the turn, up to and including the header of the next assistant turn. The rollout tokenizes it
   and appends it with loss mask 0.
 - ``system_prompt(schemas)``: the block that tells the model its tools, for templates that do
-  not render a ``tools=`` list themselves (with one that does, pass ``tools=schemas`` to
-  ``apply_chat_template`` instead; for Qwen that yields the same block).
+  not render a ``tools=`` list themselves (with one that does, the prompt is rendered with
+  ``tools=schemas``, as TRL renders it).
+
+A chat template that renders tools also renders their results: built with ``render`` (the
+template as a function), ``json`` and ``llama3`` write a turn's results as the template writes
+its ``tool`` messages (``template_results``: the conversation rendered with and without them,
+the difference after the calling turn's end), so the appended ids are those of TRL's tool loop
+whatever the template's own layout. The hand-written renderings below are for templates that
+know no tools (SmolLM2's ChatML).
 
 Formats:
 
@@ -40,11 +47,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxgrpo.agents.schema import ToolError
 
 MALFORMED = "malformed_call"
+# A chat template as a function: (messages, add_generation_prompt) -> the text it renders.
+Render = Callable[[list[dict], bool], str]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +100,71 @@ def _tool_lines(schemas: Iterable[Mapping]) -> str:
     return "\n".join(json.dumps(s, ensure_ascii=False) for s in schemas)
 
 
-class JsonFormat:
+def template_results(
+    render: Render, turn_ends: Sequence[str], results: Sequence[tuple[str, str]]
+) -> str:
+    """The text a chat template writes after a calling turn for its results: the ``tool``
+    messages (``{"role": "tool", "name": ..., "content": ...}``, as TRL appends them) and the
+    next generation prompt. It is the conversation rendered with them, after as many turn ends
+    as the conversation without them has up to its calling turn's end (the model samples that
+    end itself), which holds where a template renders the calling turn differently once it is
+    no longer the last (Qwen3's empty reasoning block).
+
+    Args:
+      render: the chat template.
+      turn_ends: the strings that end a turn (the tokenizer's end-of-turn tokens).
+      results: (tool name, result text) per call of the turn.
+
+    Raises:
+      ToolError: the template does not end the calling turn with one of ``turn_ends``, or
+        renders it with a different number of them once answered.
+    """
+    name = results[0][0] if results else ""
+    call = {"type": "function", "function": {"name": name, "arguments": {}}}
+    head = [
+        {"role": "user", "content": "dummy"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    ends = re.compile("|".join(re.escape(t) for t in turn_ends if t) or "(?!)")
+    before = render(head, False)
+    marks = list(ends.finditer(before))
+    if not marks or before[marks[-1].end() :].strip():
+        raise ToolError("the chat template does not end a calling turn with an end-of-turn token")
+    messages = [{"role": "tool", "name": n, "content": text} for n, text in results]
+    full = render(head + messages, True)
+    answered = list(ends.finditer(full))
+    if len(answered) <= len(marks):
+        raise ToolError("the chat template renders a calling turn differently once answered")
+    return full[answered[len(marks) - 1].end() :]
+
+
+class _ChatFormat:
+    """A format whose results open a new turn: the chat template writes them when it can.
+
+    Args:
+      render: the chat template, when it renders tools (else the format's own layout).
+      turn_ends: the tokenizer's end-of-turn strings (default: the format's ``turn_end``).
+    """
+
+    turn_end = ""
+
+    def __init__(self, render: Render | None = None, turn_ends: Sequence[str] = ()):
+        self.render = render
+        self.turn_ends = tuple(turn_ends) or (self.turn_end,)
+
+    def render_results(self, results: Sequence[tuple[str, str]]) -> str:
+        if self.render is not None:
+            return template_results(self.render, self.turn_ends, results)
+        return self.own_results(results)
+
+    def own_results(self, results: Sequence[tuple[str, str]]) -> str:
+        raise NotImplementedError
+
+    def render_result(self, name: str, text: str) -> str:
+        return self.render_results([(name, text)])
+
+
+class JsonFormat(_ChatFormat):
     """Qwen's ``<tool_call>`` JSON calls and ``<tool_response>`` results (ChatML)."""
 
     name = "json"
@@ -112,12 +185,10 @@ class JsonFormat:
             calls.append(_malformed(text[rest:], "the <tool_call> is never closed by </tool_call>"))
         return calls
 
-    def render_results(self, results: Sequence[tuple[str, str]]) -> str:
+    def own_results(self, results: Sequence[tuple[str, str]]) -> str:
+        """Qwen2.5's layout, for a template that renders no ``tool`` messages."""
         body = "".join(f"\n<tool_response>\n{text}\n</tool_response>" for _, text in results)
         return f"\n<|im_start|>user{body}<|im_end|>\n<|im_start|>assistant\n"
-
-    def render_result(self, name: str, text: str) -> str:
-        return self.render_results([(name, text)])
 
     def system_prompt(self, schemas: Sequence[Mapping]) -> str:
         """The ``# Tools`` block Qwen2.5's template appends to the system message."""
@@ -131,7 +202,7 @@ class JsonFormat:
         )
 
 
-class Llama3Format:
+class Llama3Format(_ChatFormat):
     """Llama 3.1/3.2 JSON calls (one per turn) and ``ipython`` results."""
 
     name = "llama3"
@@ -151,15 +222,13 @@ class Llama3Format:
             return []  # prose: the final answer
         return [_json_call(text.strip(), body, "parameters")]
 
-    def render_results(self, results: Sequence[tuple[str, str]]) -> str:
+    def own_results(self, results: Sequence[tuple[str, str]]) -> str:
+        """Llama 3.1's layout, for a template that renders no ``tool`` messages."""
         header = "<|start_header_id|>ipython<|end_header_id|>\n\n"
         body = "".join(
             f"{header}{json.dumps(text, ensure_ascii=False)}<|eot_id|>" for _, text in results
         )
         return f"{body}<|start_header_id|>assistant<|end_header_id|>\n\n"
-
-    def render_result(self, name: str, text: str) -> str:
-        return self.render_results([(name, text)])
 
     def system_prompt(self, schemas: Sequence[Mapping]) -> str:
         """The function list Llama 3.1's template puts in the system message when
@@ -257,7 +326,11 @@ def tag_params(schemas: Iterable[Mapping]) -> dict[str, str]:
 
 
 def get_format(
-    kind: str, schemas: Sequence[Mapping] = (), chat_template: str | None = None
+    kind: str,
+    schemas: Sequence[Mapping] = (),
+    chat_template: str | None = None,
+    render: Render | None = None,
+    turn_ends: Sequence[str] = (),
 ) -> ToolFormat:
     """The format named ``kind`` (one of ``FORMATS``, or ``"auto"``: ``detect_format``).
 
@@ -265,13 +338,16 @@ def get_format(
       kind: ``agent.format``.
       schemas: the tools' schemas (the tag format reads each tool's one argument from them).
       chat_template: the tokenizer's chat template, read when ``kind`` is ``"auto"``.
+      render: the chat template as a function, when it renders tools: ``json`` and ``llama3``
+        then write results as it does (the tag format answers inside the turn, never).
+      turn_ends: the tokenizer's end-of-turn strings, where ``render`` is given.
     """
     if kind == "auto":
         kind = detect_format(chat_template)
     if kind == "json":
-        return JsonFormat()
+        return JsonFormat(render, turn_ends)
     if kind == "llama3":
-        return Llama3Format()
+        return Llama3Format(render, turn_ends)
     if kind == "tag":
         return TagFormat(tag_params(schemas))
     raise ToolError(f"unknown tool-call format {kind!r}; formats: {', '.join(FORMATS)}, auto")

@@ -22,8 +22,8 @@ into the system prompt (Qwen's ``<tools>`` block, Llama 3.1's function list)::
 The dict has the keys, key order and conventions of ``transformers.utils.get_json_schema`` (an
 optional argument is ``"nullable": true``; ``required`` is left out when empty; a ``return``
 entry when the return hint converts; ``(choices: [...])`` at the end of an argument's
-description becomes an ``enum``), so a tool renders into the prompt as it does under TRL. The
-same schema is what ``tools.Toolbox`` checks the model's arguments against before calling.
+description becomes an ``enum``), so a tool renders into the prompt as it does under TRL. As
+under TRL, the model's arguments are not checked against it: they reach the tool as written.
 
 A function the schema cannot describe (an argument without a hint or without a description, a
 hint that has no JSON form) is refused at construction with one ``ToolError`` naming the

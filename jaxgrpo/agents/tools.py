@@ -4,25 +4,36 @@ A ``Toolbox`` holds TRL's two kinds of tools: stateless functions (``GRPOTrainer
 and the public methods of an environment instance (``environment_factory``: one instance per
 rollout, so its methods share that rollout's state). Each tool's schema is built once, at
 construction (``schema.tool_schema``), so a tool the model could never be told about fails
-before anything is sampled.
+before anything is sampled. A tool is named by its ``__name__``.
 
-``Toolbox.call`` runs a call the model wrote and always returns a ``ToolResult``: whatever goes
-wrong becomes an error message the model reads as the tool's result, and an error kind the
-rollout counts (``ERROR_KINDS``). Arguments are checked against the schema before the call, so
-a wrong-typed argument is the model's mistake ("bad_arguments"), not the tool's ("raised").
-The call runs on the calling thread under ``rewards.limits.bounded``'s watchdog, which
-interrupts it past ``timeout_s`` (on the main thread only: elsewhere it runs unbounded).
+``Toolbox.run_all`` runs the calls of one turn as TRL's tool loop does and always returns one
+``ToolResult`` per call: whatever goes wrong becomes the error text TRL gives the model
+(``str({"error": ...})``: ``{'error': 'Tool foo not found.'}`` for an unknown tool, the
+exception's ``str`` for one the tool raised) and an error kind the rollout counts
+(``ERROR_KINDS``). The arguments are passed as the model wrote them (``fn(**arguments)``), with
+no check or conversion against the schema: a string where an ``int`` was hinted reaches the tool,
+and what the tool does with it is the tool's. A call whose arguments do not fit the signature
+(missing, unexpected) raises Python's ``TypeError``, reported as TRL reports it and counted as
+"bad_arguments".
 
-A result is ``str(value)`` (``json.dumps`` for a dict, list or tuple). One larger than
+Sync tools run one after another on the calling thread under ``rewards.limits.bounded``'s
+watchdog, which interrupts one past ``timeout_s`` (on the main thread only: elsewhere it runs
+unbounded). ``async def`` tools are awaited: the turn's coroutines run concurrently on one event
+loop (``core.aio.gather``), each bounded by ``timeout_s`` on any thread.
+
+A result is ``str(value)``, as TRL writes a non-string result into the ``tool`` message (a list
+of ``{"type": "text", "text": ...}`` content blocks is its texts, joined). One larger than
 ``max_result_chars`` is refused ("oversized") before anyone tokenizes it; cutting a result to
 ``max_tool_tokens`` happens later, on token ids, in the rollout. A result that contains one of the
 tokenizer's special-token strings is refused ("control_tokens"): tokenized with special tokens
 parsed, ``<|im_end|>`` in a web page would end the turn for the model.
 
-Environments (TRL's contract): ``reset(**columns)`` starts an episode and returns None or a
-string appended to the last user message (``reset_environment``); ``get_reward()`` scores the
-finished episode, logged under the class's name (``environment_reward``); every other public
-method is a tool (``environment_tools``).
+Environments (TRL's contract): ``reset(**row)`` gets the example's row (``reset_row``: ``prompt``
+and every other column) and returns None or a string appended to the last user message
+(``reset_environment``); ``get_reward()`` scores the finished episode, logged under the class's
+name (``environment_reward``); ``reset``, ``get_reward`` and an ``async def`` of either are
+awaited. Every other public function of the class is a tool (``environment_tools``, in TRL's
+order: by name).
 
 ``TOOLS`` names the built-in tools (``calc``, ``python``) that a config may list by name.
 """
@@ -31,19 +42,20 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from jaxgrpo.agents.calculator import calc
 from jaxgrpo.agents.formats import ToolCall
 from jaxgrpo.agents.python_tool import python
-from jaxgrpo.agents.schema import ToolError, signature_line, tool_schema
+from jaxgrpo.agents.schema import ToolError, tool_schema
+from jaxgrpo.core import aio
+from jaxgrpo.data.base import CHAT_ROW
 from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded
 
 ERROR_KINDS = (
     "malformed_call",  # the call could not be read (bad JSON, no name, unclosed tag)
     "unknown_tool",  # no tool by that name
-    "bad_arguments",  # missing, unexpected or wrong-typed arguments
+    "bad_arguments",  # the arguments do not fit the tool's signature (missing, unexpected)
     "raised",  # the tool raised an exception
     "timeout",  # the tool ran past timeout_s
     "oversized",  # the result is longer than max_result_chars
@@ -60,7 +72,7 @@ class ToolResult:
     """What the model reads back for one call.
 
     Attributes:
-      text: the tool's result, or the error message that replaces it.
+      text: the tool's result, or the error text that replaces it (``{'error': '...'}``).
       error: None, or one of ``ERROR_KINDS``.
     """
 
@@ -74,41 +86,59 @@ def contains_control_tokens(text: str, special_tokens: Iterable[str]) -> bool:
 
 
 def result_text(value: object) -> str:
-    """A tool's return value as the text the model reads."""
+    """A tool's return value as the ``tool`` message's text: ``str(value)``, or the texts of a
+    list of ``{"type": "text", "text": ...}`` content blocks."""
     if isinstance(value, str):
         return value
-    if isinstance(value, dict | list | tuple):
-        return json.dumps(value, ensure_ascii=False, default=str)
+    if isinstance(value, list) and value and all(_is_text_block(v) for v in value):
+        return "".join(v["text"] for v in value)
     return str(value)
 
 
+def _is_text_block(value: object) -> bool:
+    return isinstance(value, dict) and value.get("type") == "text" and "text" in value
+
+
 def environment_tools(env: object) -> list[Callable]:
-    """The environment's tools: its public methods (bound), but ``reset`` and ``get_reward``,
-    in definition order, the most derived class first."""
-    seen: set[str] = set()
-    tools = []
-    for cls in type(env).__mro__[:-1]:  # [:-1]: not object's
-        for name, attr in vars(cls).items():
-            if name.startswith("_") or name in ENVIRONMENT_METHODS or name in seen:
-                continue
-            seen.add(name)  # a subclass's attribute hides a base class's method
-            if inspect.isfunction(attr) or isinstance(attr, staticmethod | classmethod):
-                tools.append(getattr(env, name))
-    return tools
+    """The environment's tools as TRL lists them: the functions of its class (inherited ones
+    included, by name) that are public and not ``reset`` or ``get_reward``, bound to ``env``."""
+    members = inspect.getmembers(type(env), predicate=inspect.isfunction)
+    return [
+        getattr(env, name)
+        for name, _ in members
+        if not name.startswith("_") and name not in ENVIRONMENT_METHODS
+    ]
 
 
-def reset_environment(env: object, columns: Mapping[str, object]) -> str | None:
-    """Calls ``env.reset`` with the example's columns (those it accepts, all with ``**kwargs``)
-    and returns what it returned: None, or text to append to the last user message."""
+def reset_row(example: Mapping[str, object], *, multi_environment: bool = False) -> dict:
+    """The example as the dataset row TRL passes to ``reset(**row)``: ``prompt`` is the
+    example's chat (jaxgrpo's ``messages``, the list of messages TRL's conversational ``prompt``
+    holds), then every other column but jaxgrpo's ``CHAT_ROW`` mark; with several
+    environments, without ``environment`` (the column that picks one, which TRL does not
+    forward)."""
+    row: dict = {}
+    if "messages" in example:
+        row["prompt"] = [dict(m) for m in example["messages"]]
+    for key, value in example.items():
+        dropped = key in ("messages", CHAT_ROW) or (multi_environment and key == "environment")
+        if not dropped:
+            row.setdefault(key, value)
+    return row
+
+
+def reset_environment(env: object, row: Mapping[str, object]) -> str | None:
+    """Calls (and awaits) ``env.reset`` with the example's row (``reset_row``; the columns
+    its signature accepts, all of them when it takes ``**kwargs``) and returns what it returned:
+    None, or text to append to the last user message."""
     reset = getattr(env, "reset", None)
     if reset is None:
         return None
     params = inspect.signature(reset).parameters
     if any(p.kind is p.VAR_KEYWORD for p in params.values()):
-        kwargs = dict(columns)
+        kwargs = dict(row)
     else:
-        kwargs = {k: v for k, v in columns.items() if k in params}
-    text = reset(**kwargs)
+        kwargs = {k: v for k, v in row.items() if k in params}
+    text = aio.resolve(reset(**kwargs))
     if text is not None and not isinstance(text, str):
         raise ToolError(
             f"{type(env).__name__}.reset returned a {type(text).__name__}; it must return None "
@@ -118,12 +148,13 @@ def reset_environment(env: object, columns: Mapping[str, object]) -> str | None:
 
 
 def environment_reward(env: object) -> float | None:
-    """``env.get_reward()`` as a float (None: the environment has no ``get_reward``, or it
-    cannot score this episode). Logged under ``type(env).__name__``."""
+    """``env.get_reward()`` (awaited when it is ``async def``) as a float (None: the environment
+    has no ``get_reward``, or it cannot score this episode). Logged under
+    ``type(env).__name__``."""
     get_reward = getattr(env, "get_reward", None)
     if get_reward is None:
         return None
-    value = get_reward()
+    value = aio.resolve(get_reward())
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -134,61 +165,22 @@ def environment_reward(env: object) -> float | None:
     return float(value)
 
 
-_JSON_TYPES: dict[str, Callable[[object], bool]] = {
-    "string": lambda v: isinstance(v, str),
-    "integer": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "number": lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-    "boolean": lambda v: isinstance(v, bool),
-    "null": lambda v: v is None,
-    "array": lambda v: isinstance(v, list),
-    "object": lambda v: isinstance(v, dict),
-}
-
-
-def matches(value: object, spec: Mapping) -> bool:
-    """Whether a JSON value fits a ``schema.tool_schema`` property (types, items, enum)."""
-    if value is None and spec.get("nullable"):
-        return True
-    if "anyOf" in spec:
-        return any(matches(value, s) for s in spec["anyOf"])
-    if "enum" in spec and not any(type(e) is type(value) and e == value for e in spec["enum"]):
+def _fits(fn: Callable, arguments: Mapping) -> bool:
+    """Whether ``fn(**arguments)`` binds (a mismatch is the model's mistake, not the tool's)."""
+    try:
+        inspect.signature(fn).bind(**arguments)
+    except TypeError:
         return False
-    kinds = spec.get("type")
-    if kinds is None:
+    except ValueError:  # no signature to read (some builtins): let the call tell
         return True
-    kinds = [kinds] if isinstance(kinds, str) else kinds
-    if not any(_JSON_TYPES.get(k, lambda v: True)(value) for k in kinds):
-        return False
-    if isinstance(value, list) and "items" in spec:
-        return all(matches(v, spec["items"]) for v in value)
-    if isinstance(value, dict) and "additionalProperties" in spec:
-        return all(matches(v, spec["additionalProperties"]) for v in value.values())
     return True
-
-
-def argument_problem(schema: Mapping, arguments: Mapping, accepts_extra: bool) -> str | None:
-    """What is wrong with a call's arguments against the tool's schema, or None."""
-    params = schema["function"]["parameters"]
-    properties = params["properties"]
-    missing = [a for a in params.get("required", ()) if a not in arguments]
-    extra = [a for a in arguments if a not in properties]
-    wrong = [a for a, v in arguments.items() if a in properties and not matches(v, properties[a])]
-    problems = []
-    if missing:
-        problems.append(f"missing {', '.join(map(repr, missing))}")
-    if extra and not accepts_extra:
-        problems.append(f"unexpected {', '.join(map(repr, extra))}")
-    for a in wrong:
-        kind = properties[a].get("type", "a value of its schema")
-        problems.append(f"{a!r} must be {kind}, not {json.dumps(arguments[a])[:80]}")
-    return "; ".join(problems) or None
 
 
 class Toolbox:
     """The tools one rollout may call: functions, an environment's methods, or both.
 
     Args:
-      functions: stateless tool functions (TRL's ``tools=[...]``).
+      functions: stateless tool functions (TRL's ``tools=[...]``), sync or ``async def``.
       environment: an environment instance whose public methods are tools (``environment_tools``).
       special_tokens: the tokenizer's special-token strings; a result containing one is refused.
       max_result_chars: a longer result is refused ("oversized").
@@ -205,15 +197,12 @@ class Toolbox:
         tools = [*functions, *(environment_tools(environment) if environment is not None else ())]
         self._fns: dict[str, Callable] = {}
         self._schemas: dict[str, dict] = {}
-        self._accepts_extra: dict[str, bool] = {}
         for fn in tools:
             schema = tool_schema(fn)
             name = schema["function"]["name"]
             if name in self._fns:
                 raise ToolError(f"two tools are named {name!r}; tool names must be unique")
             self._fns[name], self._schemas[name] = fn, schema
-            params = inspect.signature(fn).parameters.values()
-            self._accepts_extra[name] = any(p.kind is p.VAR_KEYWORD for p in params)
         self.environment = environment
         self.special_tokens = tuple(t for t in special_tokens if t)
         self.max_result_chars = max_result_chars
@@ -224,7 +213,7 @@ class Toolbox:
 
     @property
     def schemas(self) -> list[dict]:
-        """The tools' schemas, in order: what the system prompt or ``tools=`` lists."""
+        """The tools' schemas, in order: what ``tools=`` or the system prompt lists."""
         return list(self._schemas.values())
 
     def _error(self, kind: str, message: str) -> ToolResult:
@@ -232,56 +221,84 @@ class Toolbox:
         # messages: it must not smuggle a control token into the episode either.
         for token in self.special_tokens:
             message = message.replace(token, f"{token[:1]} {token[1:]}")
-        return ToolResult(f"Error: {message}", kind)
+        return ToolResult(str({"error": message}), kind)
 
     def run(self, call: ToolCall, timeout_s: float) -> ToolResult:
-        """``call`` for a parsed ``ToolCall``; a malformed one is answered with why."""
-        if call.error is not None:
-            return self._error(call.error, f"could not read the tool call: {call.detail}")
-        return self.call(call.name, call.arguments, timeout_s)
+        """``run_all`` for one call."""
+        return self.run_all([call], timeout_s)[0]
 
     def call(self, name: str, arguments: dict, timeout_s: float) -> ToolResult:
-        """Runs tool ``name`` with ``arguments``; every failure is a ``ToolResult`` with an error.
+        """Runs tool ``name`` with ``arguments`` as the model wrote them (a JSON object);
+        ``timeout_s``: wall-time limit of the call (<= 0: none). Never raises."""
+        return self.run(ToolCall(name, arguments, ""), timeout_s)
 
-        Args:
-          name: the tool's name as the model wrote it.
-          arguments: the arguments as the model wrote them (a JSON object).
-          timeout_s: wall-time limit of the call; <= 0: none.
-        """
+    def run_all(self, calls: Sequence[ToolCall], timeout_s: float) -> list[ToolResult]:
+        """The results of one turn's ``calls``, in order: the sync ones run one by one, then
+        the ``async def`` ones concurrently, each bounded by ``timeout_s`` (<= 0: none); a
+        malformed call is answered with why it could not be read. Never raises."""
+        results: list[ToolResult | None] = []
+        pending: list[tuple[int, str, Awaitable]] = []  # (index, tool, its coroutine)
+        for call in calls:
+            started = self._start(call, timeout_s)
+            if isinstance(started, ToolResult):
+                results.append(started)
+            else:
+                pending.append((len(results), call.name, started))
+                results.append(None)
+        values = aio.gather([coroutine for _, _, coroutine in pending], timeout_s)
+        for (i, name, _), value in zip(pending, values, strict=True):
+            results[i] = self._finish(name, value, timeout_s)
+        return results
+
+    def _start(self, call: ToolCall, timeout_s: float) -> ToolResult | Awaitable:
+        """A sync call's result, or an async call's coroutine (not yet awaited)."""
+        if call.error is not None:
+            return self._error(call.error, f"could not read the tool call: {call.detail}")
+        name, arguments = call.name, call.arguments
         if not isinstance(name, str) or not isinstance(arguments, dict):
             return self._error(
                 "malformed_call", "a tool call needs a name and a JSON object of arguments"
             )
         fn = self._fns.get(name)
         if fn is None:
-            return self._error(
-                "unknown_tool", f"unknown tool {name!r}; tools: {', '.join(self.names)}"
-            )
-        problem = argument_problem(self._schemas[name], arguments, self._accepts_extra[name])
-        if problem:
-            usage = signature_line(self._schemas[name])
-            return self._error(
-                "bad_arguments", f"bad arguments for {name!r}: {problem}; call {usage}"
-            )
+            return self._error("unknown_tool", f"Tool {name} not found.")
         try:
             with bounded(timeout_s):
                 value = fn(**arguments)
-            text = result_text(value)
         except RewardLimitExceeded:
-            return self._error("timeout", f"tool {name!r} took longer than {timeout_s:g} s")
+            value = aio.LimitExceeded()
         except Exception as e:
-            what = f"{type(e).__name__}: {e}"[:_MAX_ERROR_CHARS]
-            return self._error("raised", f"tool {name!r} raised {what}")
+            value = e if _fits(fn, arguments) else _BadArguments(e)
+        if inspect.isawaitable(value):
+            return value
+        return self._finish(name, value, timeout_s)
+
+    def _finish(self, name: str, value: object, timeout_s: float) -> ToolResult:
+        """The ``ToolResult`` of a call that returned (or raised) ``value``."""
+        if isinstance(value, aio.LimitExceeded):
+            return self._error("timeout", f"Tool {name} timed out after {timeout_s:g} s.")
+        if isinstance(value, _BadArguments):
+            return self._error("bad_arguments", str(value.error)[:_MAX_ERROR_CHARS])
+        if isinstance(value, BaseException):  # TRL's message: the exception's str
+            return self._error("raised", str(value)[:_MAX_ERROR_CHARS])
+        text = result_text(value)
         if len(text) > self.max_result_chars:
             return self._error(
                 "oversized",
-                f"tool {name!r} returned {len(text)} characters, more than the "
-                f"{self.max_result_chars} allowed",
+                f"Tool {name} returned {len(text)} characters, more than the "
+                f"{self.max_result_chars} allowed.",
             )
         found = next((t for t in self.special_tokens if t in text), None)
         if found is not None:
             return self._error(
                 "control_tokens",
-                f"tool {name!r} returned text containing the control token {found!r}",
+                f"Tool {name} returned text containing the control token {found!r}.",
             )
         return ToolResult(text)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BadArguments:
+    """The ``TypeError`` of a call whose arguments do not fit the tool's signature."""
+
+    error: Exception

@@ -222,12 +222,22 @@ class Tokenizer:
     def bos_id(self) -> int | None:
         return self.hf.bos_token_id
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """Render one conversation (``[{"role": ..., "content": ...}, ...]``) to text."""
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ) -> str:
+        """Render one conversation (``[{"role": ..., "content": ...}, ...]``) to text; with
+        ``tools`` (JSON schemas), as the template describes them (TRL's ``tools=``; None or
+        ``[]``: none, as TRL passes ``tools or None``)."""
         if not self.hf.chat_template:
             raise ValueError("This tokenizer has no chat template; use encode() on plain text.")
         return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages,
+            tools=tools or None,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
         )
 
     def encode(
@@ -268,6 +278,7 @@ class Tokenizer:
         self,
         conversations: Sequence[list[dict]],
         add_generation_prompt: bool = True,
+        tools: Sequence[list[dict] | None] | None = None,
         **kwargs,
     ) -> tuple[np.ndarray, np.ndarray]:
         """Render each conversation with the chat template, then ``encode`` (no added bos).
@@ -275,12 +286,18 @@ class Tokenizer:
         Args:
           conversations: B message lists.
           add_generation_prompt: end with the assistant header so the model answers.
+          tools: None, or B tool-schema lists (or None) the template describes per
+            conversation (``jaxgrpo.agents.Agent.prompt_tools``).
           **kwargs: ``min_bucket`` / ``max_length`` as in ``encode``.
 
         Returns:
           ``(ids_BP, mask_BP)`` as in ``encode``.
         """
-        texts = [self.apply_chat_template(m, add_generation_prompt) for m in conversations]
+        tools = [None] * len(conversations) if tools is None else tools
+        texts = [
+            self.apply_chat_template(m, add_generation_prompt, t)
+            for m, t in zip(conversations, tools, strict=True)
+        ]
         return self.encode(texts, add_special_tokens=False, **kwargs)
 
     def decode(self, ids, skip_special_tokens: bool = True) -> str:

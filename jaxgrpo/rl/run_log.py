@@ -309,7 +309,8 @@ def run_header(info: Mapping[str, Any]) -> str:
       info: ``model``, ``params``, ``trainable``, ``lora_rank``, ``task``, ``train_size``,
         ``eval_size``, ``prompts_per_step``, ``group_size``, ``steps``, ``devices``,
         ``platform``, ``mesh`` (axis -> size), ``run_dir``, ``start`` (completed steps),
-        ``cache_dir`` (or None) and optionally ``cache_off_why`` (" (why)" it is off).
+        ``cache_dir`` (or None) and optionally ``cache_off_why`` (" (why)" it is off) and
+        ``tools`` (``Agent.tools_line``: the tools and how the model is told of them).
     """
     tuning = (
         f"LoRA rank {info['lora_rank']}, {human_count(info['trainable'])} trainable"
@@ -329,6 +330,8 @@ def run_header(info: Mapping[str, Any]) -> str:
         if info["cache_dir"]
         else f"cache    off{info.get('cache_off_why', '')}",
     ]
+    if info.get("tools"):
+        lines.append(f"tools    {info['tools']}")
     return "\n".join(lines)
 
 

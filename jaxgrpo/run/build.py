@@ -145,8 +145,7 @@ def build_rewards(
     """The run's ``RewardSet``, model-based rewards bound to the (untrained) ``model``, and the
     ``agent``'s environment's ``get_reward()`` as one more term, at its weight."""
     specs = bind_model_rewards(cfg.functions, model, tokenizer)
-    env_reward = agent.reward_function() if agent is not None else None
-    if env_reward is not None:
+    for env_reward in agent.reward_functions() if agent is not None else ():
         specs.append((env_reward, agent.reward_weight))
     return RewardSet(
         specs,

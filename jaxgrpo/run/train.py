@@ -171,6 +171,7 @@ def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
         "start": start,
         "cache_dir": jax.config.jax_compilation_cache_dir,
         "cache_off_why": cache_off_why(),
+        "tools": learner.agent.tools_line if learner.agent is not None else None,
     }
 
 

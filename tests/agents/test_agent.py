@@ -94,7 +94,7 @@ def test_episodes_start_with_instructions_and_the_environments_text(tok):
     assert len({id(e) for e in envs}) == 6, "one environment per episode"
     assert boxes[0].call("step", {"by": 2}, 1.0).text == "2"
     assert (envs[0].count, envs[1].count) == (2, 0), "episodes do not share state"
-    reward = agent.reward_function()
+    (reward,) = agent.reward_functions()
     assert reward.__name__ == "Counter" and reward(environments=envs) == [2.0] + [0.0] * 5
 
 
@@ -104,5 +104,5 @@ def test_one_group_needs_one_observation(tok):
 
 
 def test_without_get_reward_or_at_weight_zero_there_is_no_environment_reward(tok):
-    assert Agent([calc], None, tok).reward_function() is None
-    assert Agent([], Counter, tok, reward_weight=0.0).reward_function() is None
+    assert Agent([calc], None, tok).reward_functions() == []
+    assert Agent([], Counter, tok, reward_weight=0.0).reward_functions() == []

@@ -47,7 +47,7 @@ def test_to_messages_is_trls_conversational_form():
     }
     assert messages[3] == {"role": "tool", "name": "calc", "content": "17"}
     assert messages[4]["role"] == "tool" and messages[4]["content"].startswith(
-        "Error: could not read"
+        "{'error': 'could not read"
     )
     assert (
         messages[5]["content"] == ""
@@ -56,7 +56,7 @@ def test_to_messages_is_trls_conversational_form():
     assert messages[6] == {
         "role": "tool",
         "name": "search",
-        "content": "Error: unknown tool 'search'; tools: calc",
+        "content": "{'error': 'Tool search not found.'}",
     }
     assert messages[7] == {"role": "assistant", "content": "The answer is 17."}
     assert len(messages) == 8
