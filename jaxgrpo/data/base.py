@@ -7,7 +7,11 @@ the same schema) into examples, plain dicts:
      <reward columns, e.g. "answer", "reference", "tests">}
 
 The trainer tokenizes ``messages`` with the model's chat template and hands the other columns to
-the reward functions as keyword arguments (``jaxgrpo.rewards.inputs``).
+the reward functions as keyword arguments (``jaxgrpo.rewards.inputs``). An example whose row
+held its prompt as a chat (TRL's conversational format: a column of ``{"role", "content"}``
+messages) also carries ``CHAT_ROW: True``, which is no reward column: it tells
+``rewards.conversational="auto"`` to give reward functions TRL's message lists, as TRL does for
+such data; a prompt built from text columns gives them strings.
 
 Every row keeps its origin (file or hub id, and its 1-based row number), so a malformed row fails
 with ``MalformedRowError("path: row 7: missing field 'answer'")`` instead of a bare ``KeyError``
@@ -51,6 +55,7 @@ R1_SYSTEM_PROMPT = (
     "<answer> answer here </answer>."
 )
 TEMPLATES = ("answer_tag", "r1", "none")
+CHAT_ROW = "chat_row"  # key of an example whose row held its prompt as chat messages
 _LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 FIXTURE_DIR = os.path.join(os.path.dirname(__file__), "fixtures")
 

@@ -2,9 +2,10 @@
 
 ``prompt_column`` becomes ``messages``: a string is wrapped by the prompt template (default
 ``"none"``: the text is the user turn); a list of ``{"role", "content"}`` dicts is used as the
-conversation as is. Other columns are passed through to the rewards, either all of them
-(``column_map=None``) or only those named in ``column_map`` (example name -> file column), e.g.
-``{"answer": "label", "reference": "solution"}``.
+conversation as is, and the example is marked ``CHAT_ROW`` (its rewards get TRL's
+conversational form under ``rewards.conversational="auto"``). Other columns are passed through
+to the rewards, either all of them (``column_map=None``) or only those named in ``column_map``
+(example name -> file column), e.g. ``{"answer": "label", "reference": "solution"}``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from jaxgrpo.data.base import Example, Message, Row, RowTask, require_str
+from jaxgrpo.data.base import CHAT_ROW, Example, Message, Row, RowTask, require_str
 
 _ROLES = ("system", "user", "assistant")
 
@@ -67,6 +68,12 @@ class JsonlTask(RowTask):
             extra = {k: v for k, v in row.data.items() if k != self.prompt_column}
         else:
             extra = {name: row.get(column) for name, column in self.column_map.items()}
-        if "messages" in extra:
-            raise row.fail("a passed-through column is named 'messages'; rename it in column_map")
-        return {"messages": messages, **extra}
+        for reserved in ("messages", CHAT_ROW):
+            if reserved in extra:
+                raise row.fail(
+                    f"a passed-through column is named {reserved!r}; rename it in column_map"
+                )
+        example = {"messages": messages, **extra}
+        if not isinstance(value, str):
+            example[CHAT_ROW] = True
+        return example

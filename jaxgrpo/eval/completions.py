@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo.core import sharding
+from jaxgrpo.rewards.inputs import model_texts
 from jaxgrpo.sampling import SamplerSettings, StopReason, generate_from_state, resume_from_state
 
 SAMPLE_FIELDS = ("tokens", "mask", "logprobs", "temperatures", "stop_reason", "lengths")
@@ -189,7 +190,7 @@ def mesh_sampler(
             r = resume
             out = resume_from_state(
                 graphdef, states, model_cfg, kept.pop("cache"), put(r.rows), put(r.valid_until),
-                put(r.positions), put(r.ids), put(r.mask), r.width, s, rng=rng,
+                put(r.positions), put(r.ids), put(r.mask), r.width, s, rng=rng, room=r.room,
             )  # fmt: skip
         if keep_cache:
             kept["cache"] = out.cache
@@ -242,8 +243,10 @@ def complete_episodes(
     padded with its final example, so every batch has one shape).
 
     Returns:
-      ``complete``'s lists, grouped by example, and ``model_tokens`` (ids the model drew per
-      episode, the rest being tool results), ``episodes`` (``jaxgrpo.agents.Episode``),
+      ``complete``'s lists, grouped by example (``texts``: whole episodes), and ``model_texts``
+      (what the model wrote of each, without the tools' results: what accuracy grades),
+      ``model_tokens`` (ids the model drew per episode, the rest being tool results),
+      ``episodes`` (``jaxgrpo.agents.Episode``),
       ``environments`` (None without an environment), ``chats`` (per example: the prompt the
       episodes started from) and ``model_mask`` (per episode, over its ids).
     """
@@ -252,15 +255,18 @@ def complete_episodes(
         k: []
         for k in ("texts", "lengths", "truncated", "tokens", "model_tokens", "episodes", "chats")
     }
+    out["model_texts"] = []
     out["model_mask"], environments = [], []
     key = jax.random.key(seed)
+    # Calling turns end at the format's stop strings, inside the compiled decode loop.
+    stopping = settings.with_stop_strings(agent.tokenizer, agent.format.stop_strings())
     for i, start in enumerate(range(0, len(examples), batch_size)):
         chunk = list(examples[start : start + batch_size])
         padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
         chats, toolboxes = agent.start(padded, g)
-        ids, mask = agent.tokenizer.encode_chat(chats)
+        ids, mask = agent.tokenizer.encode_chat(chats, tools=agent.prompt_tools(padded))
         sample = mesh_sampler(
-            graphdef, states, model_cfg, mesh, settings, jax.random.fold_in(key, i),
+            graphdef, states, model_cfg, mesh, stopping, jax.random.fold_in(key, i),
             keep_cache=agent.keeps_cache,
         )  # fmt: skip
         host, episodes, envs = episode_arrays(
@@ -276,6 +282,7 @@ def complete_episodes(
         out["model_mask"] += [mm[m > 0].tolist() for mm, m in zip(model_mask, tmask, strict=True)]
         out["model_tokens"] += model_mask.sum(-1).tolist()
         out["episodes"] += episodes[:keep]
+        out["model_texts"] += model_texts(out["texts"][-keep:], episodes[:keep])
         out["chats"] += chats[: len(chunk)]
         environments += (envs or [])[:keep]
         if progress is not None:

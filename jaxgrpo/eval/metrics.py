@@ -7,7 +7,9 @@ Definitions (one prompt has ``n`` sampled completions; figures average over all 
 they say otherwise):
 
 * strict / lenient / format: ``jaxgrpo.grading.accuracy`` (the one definition, shared with the
-  training metrics), reported as ``strict_accuracy``, ``lenient_accuracy`` and ``format_rate``.
+  training metrics), reported as ``strict_accuracy``, ``lenient_accuracy`` and ``format_rate``,
+  of what the model wrote: with tools, an episode's text without the tools' results, so a
+  tool's output never supplies the answer (pass@k and the tables follow from them).
 * pass@k: the unbiased estimator of Chen et al. (2021), ``1 - C(n-c, k) / C(n, k)`` for ``c``
   strictly correct samples out of ``n``, averaged over prompts; mean@n is ``c / n`` averaged
   (so pass@1 = mean@n = strict_accuracy); ``lenient_pass@n`` counts lenient correctness.
@@ -101,6 +103,8 @@ def score_samples(
     truncated: Sequence[bool] | None = None,
     tokens: Sequence[Sequence[int]] | None = None,
     verifiers: Sequence[str | None] | None = None,
+    model_completions: Sequence[str] | None = None,
+    model_tokens: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """One JSON-ready record per completion.
 
@@ -112,39 +116,50 @@ def score_samples(
       truncated: [B * G] hit the length limit (default: all False).
       tokens: [B * G] token ids for the loop check (default: words).
       verifiers: [B] the examples' ``verifier`` column (default: the fast path for all).
+      model_completions: [B * G] what the model wrote of each completion (with tools: without
+        the tools' results), which answer, strict, lenient and formatted grade (default: the
+        completions).
+      model_tokens: [B * G] ids the model drew of each (with tools): ``length`` counts them,
+        ``tool_length`` the rest of ``lengths``.
 
     Returns:
-      Dicts with prompt, sample, completion, reference, length, truncated, strict, lenient,
-      formatted, repeat (tail loop) and doom_loop (repeat and truncated).
+      Dicts with prompt, sample, completion, reference, answer, length, truncated, strict,
+      lenient, formatted, repeat (tail loop) and doom_loop (repeat and truncated); with
+      ``model_tokens``, tool_length.
     """
     if len(completions) != len(references) * num_samples:
         raise ValueError(
             f"{len(completions)} completions for {len(references)} prompts x {num_samples} samples"
         )
+    graded = list(completions) if model_completions is None else list(model_completions)
+    if len(graded) != len(completions):
+        raise ValueError(f"{len(graded)} model_completions for {len(completions)} completions")
     records = []
-    for i, text in enumerate(completions):
+    for i, (completion, text) in enumerate(zip(completions, graded, strict=True)):
         ref = references[i // num_samples]
         verifier = verifiers[i // num_samples] if verifiers is not None else None
         strict = is_strict(text, ref, verifier)
-        seq = tokens[i] if tokens is not None else text.split()
+        seq = tokens[i] if tokens is not None else completion.split()
         cut = bool(truncated[i]) if truncated is not None else False
         loop = tail_repeat(seq)
-        records.append(
-            {
-                "prompt": i // num_samples,
-                "sample": i % num_samples,
-                "completion": text,
-                "reference": None if ref is None else str(ref),
-                "answer": extract_answer(text),
-                "length": int(lengths[i]) if lengths is not None else len(text.split()),
-                "truncated": cut,
-                "strict": strict,
-                "lenient": is_lenient(text, ref, verifier, strict),
-                "formatted": is_formatted(text),
-                "repeat": loop,
-                "doom_loop": loop and cut,
-            }
-        )
+        length = int(lengths[i]) if lengths is not None else len(completion.split())
+        record = {
+            "prompt": i // num_samples,
+            "sample": i % num_samples,
+            "completion": completion,
+            "reference": None if ref is None else str(ref),
+            "answer": extract_answer(text),
+            "length": length if model_tokens is None else int(model_tokens[i]),
+            "truncated": cut,
+            "strict": strict,
+            "lenient": is_lenient(text, ref, verifier, strict),
+            "formatted": is_formatted(text),
+            "repeat": loop,
+            "doom_loop": loop and cut,
+        }
+        if model_tokens is not None:
+            record["tool_length"] = length - int(model_tokens[i])
+        records.append(record)
     return records
 
 
@@ -177,7 +192,8 @@ def summarize(records: Sequence[dict[str, Any]], num_samples: int) -> dict[str, 
       ``strict_accuracy`` / ``lenient_accuracy`` / ``format_rate`` / judge (if judged) rates,
       ``pass@k`` (strict) for every k <= G,
       ``lenient_pass@G``, ``mean@G``, truncation / repeat / doom-loop rates, and
-      ``length`` / ``length_correct`` / ``length_incorrect`` stats.
+      ``length`` / ``length_correct`` / ``length_incorrect`` stats (the model's ids), and
+      ``tool_length`` stats where the records have them (runs with tools).
     """
     g = num_samples
     col = lambda key: np.asarray([r[key] for r in records], bool)  # noqa: E731
@@ -202,6 +218,8 @@ def summarize(records: Sequence[dict[str, Any]], num_samples: int) -> dict[str, 
     out["length"] = length_stats(lengths)
     out["length_correct"] = length_stats(lengths[strict])
     out["length_incorrect"] = length_stats(lengths[~strict])
+    if records and "tool_length" in records[0]:
+        out["tool_length"] = length_stats(np.asarray([r["tool_length"] for r in records]))
     return out
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import unicodedata
+from collections.abc import Sequence
 from fractions import Fraction
 
 _ANSWER_RE = re.compile(r"<answer>((?:(?!<answer>).)*?)</answer>", re.DOTALL)
@@ -347,9 +348,28 @@ def single_answer(text: str) -> str | None:
 
 
 def completion_text(completion) -> str:
-    """The text of a completion: a string, or TRL's conversational list of messages."""
+    """The text of a completion the model wrote: a string, or TRL's conversational list of
+    messages, whose assistant messages' contents are joined one per line (a ``tool`` message is
+    a tool's output, never the model's answer; without an assistant message, the last
+    message's content)."""
     if isinstance(completion, str):
         return completion
     if isinstance(completion, list | tuple) and completion and isinstance(completion[-1], dict):
+        said = [m for m in completion if isinstance(m, dict) and m.get("role") == "assistant"]
+        if said:
+            return "\n".join(str(m.get("content") or "") for m in said)
         return str(completion[-1].get("content", ""))
     return str(completion)
+
+
+def graded_texts(completions: Sequence, model_completions: Sequence[str] | None = None) -> list:
+    """[N] the texts an answer or format grader reads: ``model_completions`` (what the model
+    wrote, without the tools' results: ``jaxgrpo.rewards.inputs.model_texts``) when given,
+    else each completion's ``completion_text``."""
+    if model_completions is not None:
+        if len(model_completions) != len(completions):
+            raise ValueError(
+                f"{len(model_completions)} model_completions for {len(completions)} completions"
+            )
+        return [str(t) for t in model_completions]
+    return [completion_text(c) for c in completions]

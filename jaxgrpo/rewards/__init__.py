@@ -8,15 +8,22 @@ does, all by keyword, and takes back ``list[float | None]`` of length N (``None`
 score; excluded from group statistics)::
 
     fn(prompts=..., completions=..., completion_ids=..., completion_lengths=...,
-       trainer_state=..., log_extra=..., log_metric=..., **columns)
+       model_completions=..., trainer_state=..., log_extra=..., log_metric=..., **columns)
 
-- ``prompts``, ``completions``: [N], one per sampled completion (G per prompt, grouped).
-  Strings by default: the prompt rendered through the chat template, as the model saw it, and
-  the decoded completion. With ``rewards.conversational=True`` a user function gets TRL's
-  conversational form instead: each prompt is the example's ``messages`` (a list of
-  ``{"role", "content"}`` dicts) and each completion ``[{"role": "assistant", "content":
-  text}]``. jaxgrpo's own functions (anything in this package) always get strings; they also
-  accept TRL's conversational completions when called directly.
+- ``prompts``, ``completions``: [N], one per sampled completion (G per prompt, grouped), as
+  TRL gives them for the same data. ``rewards.conversational="auto"`` (the default) follows
+  TRL's rule: where the data's rows are chats (a ``prompt``/``messages`` column of messages,
+  ``jaxgrpo.data.base.CHAT_ROW``) each prompt is the chat (a list of ``{"role", "content"}``
+  dicts) and each completion ``[{"role": "assistant", "content": text}]`` (with tools, the
+  episode's assistant turns with ``tool_calls`` and its ``tool`` messages); where the task
+  built the prompt from text columns, strings: the prompt rendered through the chat template,
+  as the model saw it, and the decoded completion (with tools, the whole episode, results
+  included). True or False forces one form.
+- ``model_completions``: [N] strings, what the model wrote alone: with tools, the episode's
+  turns without the tools' results (``jaxgrpo.agents.Episode.model_text``); without tools, the
+  completion. jaxgrpo's own functions (anything in this package) get these as their
+  ``completions`` (strings, always), so no shipped reward and no accuracy figure grades a
+  tool's output; they also accept TRL's conversational completions when called directly.
 - ``completion_ids``: [N] lists of sampled token ids, without padding, up to and including
   the stop token (TRL's masked ``completion_ids``); ``completion_lengths``: [N] ints, their
   lengths (jaxgrpo's own ``length_penalty`` reads them).
@@ -33,8 +40,8 @@ jaxgrpo.evaluate``, studies) builds these arguments with ``inputs.reward_inputs`
 ``RewardSet.score``, so a function gets the same arguments wherever it runs; outside training
 ``trainer_state.global_step`` is the step of the evaluated parameters.
 
-So a function written for TRL's GRPOTrainer runs unchanged; set ``rewards.conversational``
-to the data format it was written for. Each call is bounded (``limits``): past
+So a function written for TRL's GRPOTrainer runs unchanged, ``async def`` ones included: they
+are awaited, a step's together (``calls``). Each call is bounded (``limits``): past
 ``rewards.timeout_s`` seconds, or once it has grown the process by ``rewards.max_memory_gb``,
 it is interrupted and its samples score None, counted in ``reward/<fn>/failed_frac``. A
 function that raises or returns None for every sample of ``rewards.max_failed_steps``

@@ -1,8 +1,9 @@
-"""Combining rewards: curricula (weights over training steps) and ``RewardSet``.
+"""Combining rewards: ``RewardSet``, with curricula (``curriculum``, weights over steps).
 
 ``RewardSet`` is what the learner calls once per step: it runs every reward function on the
-batch's completions, turns ``None`` into NaN, and returns the weighted total with the weights of
-that step, so "soft first, then hard" is one config line::
+batch's completions (``async def`` ones awaited together, ``calls``), turns ``None`` into NaN,
+and returns the weighted total with the weights of that step, so "soft first, then hard" is one
+config line::
 
     RewardSet([("embedding", {"kind": "linear", "start": 1.0, "end": 0.0, "end_step": 500}),
                ("exact_answer", {"kind": "step", "start": 0.0, "end": 1.0, "end_step": 500})])
@@ -13,73 +14,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from jaxgrpo.core.errors import UserError
+from jaxgrpo.rewards import calls
+from jaxgrpo.rewards.curriculum import CURRICULUM_KINDS, Curriculum
 from jaxgrpo.rewards.inputs import RewardInputs
 from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded
 from jaxgrpo.rewards.registry import get_reward, reward_name
 
 RewardFn = Callable[..., list]
 _LOG = logging.getLogger(__name__)
-CURRICULUM_KINDS = ("constant", "linear", "step", "cosine")
 TIMEOUT_S = 300.0  # rewards.timeout_s's default: one call of one function, for the whole batch
 MAX_MEMORY_GB = 8.0  # rewards.max_memory_gb's default: growth of the process during one call
-
-
-@dataclasses.dataclass(frozen=True)
-class Curriculum:
-    """A reward weight as a function of the training step.
-
-    - ``constant``: ``value``;
-    - ``linear``: ``start`` until ``start_step``, then a straight ramp to ``end`` at
-      ``end_step``, ``end`` afterwards;
-    - ``step``: ``start`` before ``end_step``, ``end`` from ``end_step`` on (the switch);
-    - ``cosine``: ``end + (start - end) * (1 + cos(pi * t)) / 2`` with
-      ``t = clip((step - start_step) / (end_step - start_step), 0, 1)``.
-    """
-
-    kind: str = "constant"
-    value: float = 1.0
-    start: float = 0.0
-    end: float = 1.0
-    start_step: int = 0
-    end_step: int = 1
-
-    def __post_init__(self):
-        if self.kind not in CURRICULUM_KINDS:
-            raise ValueError(f"unknown curriculum kind {self.kind!r}; known: {CURRICULUM_KINDS}")
-        if self.kind in ("linear", "cosine") and self.end_step <= self.start_step:
-            raise ValueError(
-                f"{self.kind} curriculum needs end_step > start_step, got "
-                f"{self.start_step}..{self.end_step}"
-            )
-
-    @classmethod
-    def from_spec(cls, spec: float | int | Mapping[str, Any] | Curriculum) -> Curriculum:
-        """A float (constant weight), a dict of the fields, or a Curriculum."""
-        if isinstance(spec, Curriculum):
-            return spec
-        if isinstance(spec, Mapping):
-            unknown = set(spec) - {f.name for f in dataclasses.fields(cls)}
-            if unknown:
-                raise ValueError(f"unknown curriculum fields {sorted(unknown)} in {dict(spec)}")
-            return cls(**spec)
-        return cls(kind="constant", value=float(spec))
-
-    def __call__(self, step: int) -> float:
-        if self.kind == "constant":
-            return float(self.value)
-        if self.kind == "step":
-            return float(self.start if step < self.end_step else self.end)
-        t = min(max((step - self.start_step) / (self.end_step - self.start_step), 0.0), 1.0)
-        if self.kind == "linear":
-            return float(self.start + (self.end - self.start) * t)
-        return float(self.end + (self.start - self.end) * 0.5 * (1.0 + math.cos(math.pi * t)))
+CONVERSATIONAL = (True, False, "auto")  # rewards.conversational's values
+__all__ = ["CURRICULUM_KINDS", "Curriculum", "RewardError", "RewardSet", "TrainerState"]
 
 
 class RewardError(UserError, ValueError):
@@ -107,14 +59,16 @@ class _Term:
     name: str
     fn: RewardFn
     weight: Curriculum
-    builtin: bool = False  # jaxgrpo's own: always gets strings
+    builtin: bool = False  # jaxgrpo's own: always gets strings, the model's text alone
+    awaited: bool = False  # an async def function
     reported: bool = False
     failed_steps: int = 0  # consecutive training steps in which every sample failed
     counted_step: int | None = None  # the step failed_steps last looked at
 
 
 def _is_builtin(fn: Callable) -> bool:
-    """True for functions defined in the jaxgrpo package (they take strings)."""
+    """True for functions defined in the jaxgrpo package (they take strings and grade what the
+    model wrote: ``model_completions``)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
     return getattr(fn, "__module__", "").split(".")[0] == "jaxgrpo"
@@ -151,11 +105,13 @@ class RewardSet:
         function is logged once (a warning naming the function and the offending sample) and
         ``error_counts[name]`` counts all of them for the metrics; ``"raise"``: raise
         ``RewardError``, naming the function.
-      conversational: ``score`` gives user functions TRL's conversational prompts and
-        completions (lists of messages) instead of strings.
+      conversational: whether ``score`` gives user functions TRL's conversational prompts and
+        completions (lists of messages) rather than strings: True, False, or ``"auto"``: where
+        the data's rows are chats (``RewardInputs.conversational``, TRL's rule).
       timeout_s / max_memory_gb: limits on each call of each function (``limits.bounded``;
         0 = none). A call past one scores all its samples None (failed) and is logged once per
         function; it never stops the run by itself (``max_failed_steps`` still applies).
+        ``async def`` functions run together, each with ``timeout_s`` (``calls``).
 
     Attributes:
       logged_metrics / logged_extra: what functions passed to TRL's ``log_metric(name, value)``
@@ -167,12 +123,16 @@ class RewardSet:
         specs: Sequence[Sequence[Any]],
         on_error: str = "none",
         *,
-        conversational: bool = False,
+        conversational: bool | str = "auto",
         timeout_s: float = TIMEOUT_S,
         max_memory_gb: float = MAX_MEMORY_GB,
     ):
         if on_error not in ("none", "raise"):
             raise ValueError(f"on_error must be 'none' or 'raise', got {on_error!r}")
+        if not (isinstance(conversational, bool) or conversational == "auto"):
+            raise ValueError(
+                f"conversational must be True, False or 'auto', got {conversational!r}"
+            )
         self.on_error = on_error
         self.conversational = conversational
         self.timeout_s = timeout_s
@@ -191,8 +151,8 @@ class RewardSet:
             if name in {t.name for t in self.terms}:
                 name = f"{name}#{len(self.terms)}"
             fn = get_reward(target, **kwargs)
-            builtin = _is_builtin(fn)
-            self.terms.append(_Term(name, fn, Curriculum.from_spec(weight), builtin))
+            weight = Curriculum.from_spec(weight)
+            self.terms.append(_Term(name, fn, weight, _is_builtin(fn), calls.is_async(fn)))
 
     def score(
         self, inputs: RewardInputs, *, max_failed_steps: int | None = None
@@ -207,12 +167,15 @@ class RewardSet:
         Returns:
           As ``__call__``.
         """
+        chats = self.conversational is True or (
+            self.conversational == "auto" and inputs.conversational
+        )
         return self(
             inputs.prompts,
             inputs.completions,
             inputs.columns,
             inputs.step,
-            prompt_messages=inputs.prompt_messages if self.conversational else None,
+            prompt_messages=inputs.prompt_messages if chats else None,
             completion_messages=inputs.completion_messages,
             max_steps=inputs.max_steps,
             max_failed_steps=max_failed_steps,
@@ -238,9 +201,11 @@ class RewardSet:
 
         Args:
           prompts: [N] prompt strings (as the model saw them).
-          completions: [N] completion strings.
+          completions: [N] completion strings (whole episodes with tools).
           columns: per-sample keyword arguments, each a length-N sequence: the task's columns
-            (e.g. ``answer``) and, in training, ``completion_ids`` and ``completion_lengths``.
+            (e.g. ``answer``) and, in training, ``completion_ids``, ``completion_lengths`` and
+            ``model_completions`` (what the model wrote; jaxgrpo's own functions get it as
+            their ``completions``).
           step: the training step, for curricula.
           prompt_messages: [N] prompts as chat messages. Given: user functions get TRL's
             conversational ``prompts``/``completions`` (lists of messages); None: strings.
@@ -273,15 +238,28 @@ class RewardSet:
             if completion_messages is not None:
                 assistant = [list(m) for m in completion_messages]
             conversational = (list(prompt_messages), assistant)
-        weights = self.weights(step)
+        graded = list(columns.get("model_completions", completions))
+
+        def arguments(term: _Term) -> tuple:
+            if term.builtin:
+                return prompts, graded
+            return conversational or (prompts, completions)
+
+        scored = {
+            t.name: self._score(t, *arguments(t), columns, context)
+            for t in self.terms
+            if not t.awaited
+        }
+        scored |= self._score_async(
+            [t for t in self.terms if t.awaited], arguments, columns, context
+        )
         per_fn = {}
         for term in self.terms:
-            p, c = (prompts, completions) if term.builtin or not conversational else conversational
-            values, failure = self._score(term, p, c, columns, context)
-            per_fn[term.name] = values
+            per_fn[term.name], failure = scored[term.name]
             if max_failed_steps is not None:
+                c = arguments(term)[1]
                 self._count_failed_step(term, step, failure, max_failed_steps, c, conversational)
-        return self._total(per_fn, weights, n), per_fn, weights
+        return self._total(per_fn, self.weights(step), n), per_fn, self.weights(step)
 
     @staticmethod
     def _total(per_fn: dict[str, np.ndarray], weights: dict[str, float], n: int) -> np.ndarray:
@@ -323,15 +301,54 @@ class RewardSet:
     def _score(self, term: _Term, prompts, completions, columns, context):
         """[N] float32 values (NaN = None), and a ``_Failure`` when every sample failed, else
         None."""
-        n = len(completions)
+        on = self.on_error != "raise"
         try:
             with bounded(self.timeout_s, self.max_memory_gb):
-                values, errors = self._call(term, prompts, completions, columns, context)
+                values, errors = calls.call(term.fn, prompts, completions, columns, context, on)
         except RewardLimitExceeded as stop:
-            if self.on_error == "raise":
-                raise RewardError(f"reward function {term.name!r} {stop}") from None
-            self._report_limit(term, str(stop), n)
-            return np.full((n,), np.nan, np.float32), _Failure(0, str(stop), limit=True)
+            return self._limited(term, str(stop), len(completions))
+        except Exception as error:  # only with on_error="raise"
+            raise self._raised(term, error) from error
+        return self._values(term, values, errors, completions)
+
+    def _score_async(self, terms: Sequence[_Term], arguments, columns, context) -> dict:
+        """``_score`` of every ``async def`` function, awaited together (``calls``)."""
+
+        on = self.on_error != "raise"
+        outcomes = calls.await_all(
+            {t.name: calls.acall(t.fn, *arguments(t), columns, context, on) for t in terms},
+            self.timeout_s,
+            self.max_memory_gb,
+        )
+        scored = {}
+        for term in terms:
+            out, completions = outcomes[term.name], arguments(term)[1]
+            if isinstance(out, RewardLimitExceeded):
+                scored[term.name] = self._limited(term, str(out), len(completions))
+            elif isinstance(out, Exception) and self.on_error == "raise":
+                raise self._raised(term, out) from out
+            elif isinstance(out, BaseException):  # cancelled: no values
+                scored[term.name] = self._limited(term, f"stopped: {out!r}", len(completions))
+            else:
+                scored[term.name] = self._values(term, *out, completions)
+        return scored
+
+    @staticmethod
+    def _raised(term: _Term, error: Exception) -> RewardError:
+        return RewardError(f"reward function {term.name!r} raised: {error!r}")
+
+    def _limited(self, term: _Term, why: str, n: int):
+        """A call stopped by a limit: all its samples failed (or, on_error="raise", stop)."""
+        if self.on_error == "raise":
+            raise RewardError(f"reward function {term.name!r} {why}") from None
+        self._report_limit(term, why, n)
+        return np.full((n,), np.nan, np.float32), _Failure(0, why, limit=True)
+
+    def _values(self, term: _Term, values, errors: dict, completions):
+        """The checked values of a call, its samples' errors counted (``_score``'s return)."""
+        n = len(completions)
+        if errors:
+            self._report_errors(term, errors, completions)
         if values is None or len(values) != n:
             got = "None" if values is None else f"{len(values)} values"
             raise RewardError(f"reward function {term.name!r} returned {got} for {n} completions")
@@ -342,16 +359,6 @@ class RewardSet:
             i = min(errors)
             return out, _Failure(i, f"raised {errors[i]!r}")
         return out, _Failure(0, "returned None")
-
-    def _call(self, term: _Term, prompts, completions, columns, context):
-        """The function's values for the batch, and {index: error} of samples that raised."""
-        try:
-            values = term.fn(prompts=prompts, completions=completions, **columns, **context)
-            return values, {}
-        except Exception as error:
-            if self.on_error == "raise":
-                raise RewardError(f"reward function {term.name!r} raised: {error!r}") from error
-            return self._score_one_by_one(term, prompts, completions, columns, context)
 
     def _report_limit(self, term: _Term, why: str, n: int) -> None:
         """Counts a call stopped by a limit; the first of each function is logged."""
@@ -366,24 +373,10 @@ class RewardSet:
                 n,
             )
 
-    def _score_one_by_one(self, term: _Term, prompts, completions, columns, context):
-        """Re-runs a failed batch per sample so only the offending samples score None."""
-        values, failed = [], {}
-        for i in range(len(completions)):
-            one = {k: [v[i]] for k, v in columns.items()}
-            try:
-                result = term.fn(
-                    prompts=[prompts[i]], completions=[completions[i]], **one, **context
-                )
-                if len(result) != 1:
-                    raise ValueError(f"returned {len(result)} values for 1 completion")
-                values.append(result[0])
-            except Exception as error:
-                failed[i] = error
-                values.append(None)
-        if failed:
-            self.error_counts[term.name] = self.error_counts.get(term.name, 0) + len(failed)
-        if failed and not term.reported:
+    def _report_errors(self, term: _Term, failed: dict, completions) -> None:
+        """Counts the samples that raised; the first failure of each function is logged."""
+        self.error_counts[term.name] = self.error_counts.get(term.name, 0) + len(failed)
+        if not term.reported:
             term.reported = True
             i = min(failed)
             _LOG.warning(
@@ -396,4 +389,3 @@ class RewardSet:
                 failed[i],
                 str(completions[i])[:500],
             )
-        return values, failed

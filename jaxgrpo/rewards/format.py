@@ -2,7 +2,8 @@
 
 All three give partial credit so that a weak policy still sees reward variance within a group,
 and all three punish the ``</answer> </answer> ...`` doom loop of the seed study, where a model
-that learned "closing tags earn reward" repeats them until the length limit.
+that learned "closing tags earn reward" repeats them until the length limit. Each grades what
+the model wrote (``model_completions`` when given: with tools, never a tool's output).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import difflib
 import re
 
-from jaxgrpo.grading.answers import completion_text, single_answer
+from jaxgrpo.grading.answers import graded_texts, single_answer
 
 _OPEN, _CLOSE = "<answer>", "</answer>"
 _PAIR_RE = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
@@ -37,7 +38,9 @@ def _strict_score(text: str) -> float:
     return level - repeated_close_penalty(text)
 
 
-def format_strict(prompts: list[str], completions: list[str], **_) -> list[float]:
+def format_strict(
+    prompts: list[str], completions: list[str], model_completions: list | None = None, **_
+) -> list[float]:
     """Strict answer format: exactly one ``<answer>`` tag and nothing else.
 
     Levels (before the penalty):
@@ -52,7 +55,7 @@ def format_strict(prompts: list[str], completions: list[str], **_) -> list[float
     the doom loop scores below a completion with no tag at all. Range [-0.5, 1].
     """
     del prompts
-    return [_strict_score(completion_text(c)) for c in completions]
+    return [_strict_score(t) for t in graded_texts(completions, model_completions)]
 
 
 def _r1_score(text: str) -> float:
@@ -66,7 +69,9 @@ def _r1_score(text: str) -> float:
     return level - repeated_close_penalty(text, ("</think>", _CLOSE))
 
 
-def format_r1(prompts: list[str], completions: list[str], **_) -> list[float]:
+def format_r1(
+    prompts: list[str], completions: list[str], model_completions: list | None = None, **_
+) -> list[float]:
     """R1-style format ``<think>...</think><answer>...</answer>``, 0.25 per satisfied level:
 
     - one ``<think>...</think>`` pair;
@@ -78,7 +83,7 @@ def format_r1(prompts: list[str], completions: list[str], **_) -> list[float]:
     beyond the first, at most 0.5. Range [-0.5, 1].
     """
     del prompts
-    return [_r1_score(completion_text(c)) for c in completions]
+    return [_r1_score(t) for t in graded_texts(completions, model_completions)]
 
 
 def _number_re(number: str) -> re.Pattern:
@@ -108,7 +113,13 @@ def _copy_score(text: str, number: str, similarity: float = 0.0) -> float:
 
 
 def format_copy(
-    prompts: list[str], completions: list[str], *, answer: list, similarity: float = 0.0, **_
+    prompts: list[str],
+    completions: list[str],
+    *,
+    answer: list,
+    similarity: float = 0.0,
+    model_completions: list | None = None,
+    **_,
 ) -> list[float | None]:
     """Partial-credit reward of the ``format_copy`` task ("Copy this integer exactly: N").
 
@@ -137,10 +148,9 @@ def format_copy(
     if not 0.0 <= similarity < 1.0:
         raise ValueError(f"format_copy similarity={similarity} is not in [0, 1)")
     rewards: list[float | None] = []
-    for completion, number in zip(completions, answer, strict=True):
+    for text, number in zip(graded_texts(completions, model_completions), answer, strict=True):
         if number is None or not str(number).strip():
             rewards.append(None)
         else:
-            text = completion_text(completion)
             rewards.append(_copy_score(text, str(number).strip(), similarity))
     return rewards

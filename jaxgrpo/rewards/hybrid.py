@@ -53,6 +53,8 @@ def hard_soft(
 
     Pass ``hard_weight`` with ``get_reward("hard_soft", hard_weight=0.8)``.
     """
-    hard = exact_answer(prompts, completions, answer=answer)
+    hard = exact_answer(
+        prompts, completions, answer=answer, model_completions=columns.get("model_completions")
+    )
     soft = (embedding_fn or embedding)(prompts, completions, reference=reference, **columns)
     return _mix([(hard_weight, hard), (1.0 - hard_weight, soft)])

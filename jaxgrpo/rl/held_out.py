@@ -94,6 +94,7 @@ def evaluate_episodes(learner: Any, state: Any, examples: Sequence[dict]) -> dic
         episodes=out["episodes"],
         environments=out["environments"],
         prompt_messages=out["chats"],
+        model_mask=out["model_mask"],
     )
     m = step_metrics.eval_metrics(learner.reward_set, inputs, out["truncated"])
     m.update(step_metrics.agent_metrics(out["episodes"], out["lengths"], out["model_tokens"]))

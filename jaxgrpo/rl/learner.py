@@ -22,6 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxgrpo.agents.rollout import warm_later_turns
 from jaxgrpo.core import sharding
 from jaxgrpo.core.host import release_freed_memory
 from jaxgrpo.eval.completions import episode_arrays, mesh_sampler
@@ -62,11 +63,15 @@ class Learner:
         self.tokenizer, self.task, self.reward_set = tokenizer, task, reward_set
         self.mesh = mesh if mesh is not None else sharding.make_mesh({"data": -1})
         self.programs = StepPrograms(cfg, model, self.mesh)
+        # An agent's calling turns end at its format's stop strings (the tag format's
+        # closing tags), inside the compiled decode loop.
+        stops = agent.format.stop_strings() if agent is not None else ()
         self.sampler = SamplerSettings.from_config(
-            cfg.sampling, tokenizer, num_samples=self.rl.group_size
+            cfg.sampling, tokenizer, num_samples=self.rl.group_size, stop_strings=stops
         )
         self._temperature = self._make_temperature()
         self.buckets = ro.ShapeBuckets()
+        self._warm: set[tuple[int, ...]] = set()  # prompt shapes whose later turns compiled
 
     def _make_temperature(self) -> Callable[[int], float | np.ndarray]:
         """Step -> the rollout's temperature: a float, or float32 [T] with a position schedule."""
@@ -165,26 +170,38 @@ class Learner:
     def _sample(self, state, examples, key, step, timer) -> ro.Rollout:
         """Samples G completions per example and scores them (one sampling round)."""
         g, tok = self.rl.group_size, self.tokenizer
-        episodes = environments = toolboxes = row_messages = None
+        episodes = environments = toolboxes = row_messages = tools = None
         with timer("sampling"):
             if self.agent is None:
                 messages = [ex["messages"] for ex in examples]
             else:
                 messages, toolboxes = self.agent.start(examples, g)
                 row_messages = [m for m in messages for _ in range(g)]
-            ids, mask = ro.trim_prompts(*tok.encode_chat(messages), self.buckets)
+                tools = self.agent.prompt_tools(examples)
+            ids, mask = ro.trim_prompts(*tok.encode_chat(messages, tools=tools), self.buckets)
             sample = self.turn_sampler(state, self.sampler_settings(step), key)
             if toolboxes is None:
                 host = sample(ids, mask, g, None, 0)
             else:
                 t = self.cfg.sampling.max_new_tokens
+                if self.agent.keeps_cache and ids.shape not in self._warm:
+                    # Every later-turn shape compiles with the first turn's, not mid-run.
+                    self._warm.add(ids.shape)
+                    warm_later_turns(
+                        sample, ids, mask, group=g, max_new_tokens=t, pad_id=tok.pad_id
+                    )
                 host, episodes, environments = episode_arrays(
                     self.agent, sample, toolboxes, ids, mask, g, t
                 )
             timer.add_tokens(int(host.get("model_mask", host["mask"]).sum()))
         with timer("rewards"):
             completions = tok.batch_decode(host["tokens"], host["mask"])
-            prompts = [tok.apply_chat_template(m) for m in messages for _ in range(g)]
+            tools = tools or [None] * len(messages)
+            prompts = [
+                tok.apply_chat_template(m, tools=t)
+                for m, t in zip(messages, tools, strict=True)
+                for _ in range(g)
+            ]
             rewards, per_fn, weights, correct = ro.score(
                 self.reward_set,
                 self.task.name,

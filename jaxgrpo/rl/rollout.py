@@ -24,7 +24,7 @@ from jaxgrpo.core.shapes import Array
 from jaxgrpo.grading import accuracy
 from jaxgrpo.models.packing import Packing
 from jaxgrpo.models.tokenizer import bucket_length
-from jaxgrpo.rewards.inputs import columns_for, reward_inputs
+from jaxgrpo.rewards.inputs import columns_for, model_texts, reward_inputs
 
 
 class ShapeBuckets:
@@ -217,6 +217,25 @@ class Rollout:
     environments: list | None = None
 
     @property
+    def model_completions(self) -> list[str]:
+        """R texts the model wrote (``rewards.inputs.model_texts``): what accuracy grades; with
+        tools, the completions without the tools' results."""
+        return model_texts(self.completions, self.episodes)
+
+    @property
+    def tool_lengths(self) -> np.ndarray:
+        """int [R] ids of the tools' results per completion (0 without tools)."""
+        return (self.mask.sum(axis=1) - self.trained_mask.sum(axis=1)).astype(np.int32)
+
+    @property
+    def model_lengths(self) -> np.ndarray:
+        """int [R] ids the model drew per completion (``completion/length``, as TRL's):
+        ``lengths`` without tools."""
+        if self.model_mask is None:
+            return self.lengths.astype(np.int32)
+        return self.model_mask.sum(axis=1).astype(np.int32)
+
+    @property
     def trained_mask(self) -> np.ndarray:
         """[R, T] the ids the loss may train: the model's own."""
         return self.mask if self.model_mask is None else self.model_mask
@@ -328,10 +347,12 @@ def score(
     """Runs the reward set and the strict-correctness check on R completions.
 
     Reward functions get TRL's keyword arguments, built by ``jaxgrpo.rewards.reward_inputs``
-    as in every other caller.
+    as in every other caller; strict correctness grades what the model wrote
+    (``RewardInputs.model_completions``), never a tool's output.
 
     Args:
-        sampled: the sampler's host arrays: `tokens` and `mask` [R, T].
+        sampled: the sampler's host arrays: `tokens` and `mask` [R, T], and `model_mask`
+            [R, T] with tools.
         max_failed_steps: `rewards.max_failed_steps` (training), or None.
         max_steps: the run's `steps`, for `trainer_state.max_steps`.
         episodes / environments / prompt_messages: a tool-calling run's episode records,
@@ -342,6 +363,10 @@ def score(
     """
     rows = zip(sampled["tokens"], sampled["mask"], strict=True)
     ids = [t[m.astype(bool)] for t, m in rows]
+    model_mask = None
+    if sampled.get("model_mask") is not None:
+        rows = zip(sampled["model_mask"], sampled["mask"], strict=True)
+        model_mask = [mm[m.astype(bool)] for mm, m in rows]
     inputs = reward_inputs(
         examples,
         group_size,
@@ -353,9 +378,11 @@ def score(
         episodes=episodes,
         environments=environments,
         prompt_messages=prompt_messages,
+        model_mask=model_mask,
     )
     total, per_fn, weights = reward_set.score(inputs, max_failed_steps=max_failed_steps)
     total = np.nan_to_num(np.asarray(total, np.float32))
     per_fn = {k: np.asarray(v, np.float32) for k, v in per_fn.items()}
-    correct = accuracy.strict_correct(task_name, completions, columns_for(examples, group_size))
+    graded = inputs.model_completions
+    correct = accuracy.strict_correct(task_name, graded, columns_for(examples, group_size))
     return total, per_fn, dict(weights), correct

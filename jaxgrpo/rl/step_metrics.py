@@ -6,10 +6,13 @@ Key names (the logger's progress bar and dead-run check read the first group):
     time/{sampling,rewards,reference,update}   seconds per phase (reference: the scoring passes)
     reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
     reward/<fn>/failed_frac     fraction of samples the function could not score (raised/None)
-    strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.grading.accuracy, when the task has
-                                an answer column (held out, eval_metrics: the same names)
+    strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.grading.accuracy of what the model
+                                wrote (never a tool's output), when the task has an answer
+                                column (held out, eval_metrics: the same names)
     adv/{mean,std,min,max}, adv/frac_zero_std_groups
-    completion/length_mean, completion/length_correct, completion/length_incorrect
+    completion/length_mean, completion/length_correct, completion/length_incorrect   ids the
+                                model drew (TRL's completion length: tools' results not counted)
+    completion/tool_length_mean ids of the tools' results per completion (runs with tools)
     completion/stop_<reason>_frac    LENGTH / STOP_TOKEN / REPETITION
     entropy, loss, policy_loss, kl_loss, clip_frac{,_low,_high}, ratio_{mean,min,max},
     grad_norm, sampler_logp_gap{,_max}, update_skipped       averaged over the step's updates
@@ -115,11 +118,13 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
         m[f"reward/{name}/std"] = _std(finite)
         m[f"reward/{name}/weight"] = float(r.weights.get(name, math.nan))
         m[f"reward/{name}/failed_frac"] = _mean(np.isnan(values))  # raised or returned None
-    lengths = r.lengths.astype(np.float64)
+    lengths = r.model_lengths.astype(np.float64)
     m["completion/length_mean"] = _mean(lengths)
+    if r.model_mask is not None:
+        m["completion/tool_length_mean"] = _mean(r.tool_lengths)
     if r.correct is not None:
         columns = columns_for(r.examples, r.group_size)
-        m.update(accuracy.rates(r.completions, columns, r.correct))
+        m.update(accuracy.rates(r.model_completions, columns, r.correct))
         m["completion/length_correct"] = _mean(lengths[r.correct])
         m["completion/length_incorrect"] = _mean(lengths[~r.correct])
     m["completion/truncated_frac"] = _mean(r.stop_reason == LENGTH)
@@ -185,19 +190,23 @@ def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:
 
 
 def eval_metrics(reward_set: Any, inputs: RewardInputs, truncated: Sequence[bool]) -> dict:
-    """Strict/lenient accuracy and format rate (``jaxgrpo.grading.accuracy``), reward and length of
-    one completion per example, the rewards called as in training (``RewardSet.score``)."""
+    """Strict/lenient accuracy and format rate (``jaxgrpo.grading.accuracy``) of what the model
+    wrote, reward and length of one completion per example, the rewards called as in training
+    (``RewardSet.score``). ``length_mean`` counts the model's ids; ``tool_length_mean`` (with
+    tools) the tools' results'."""
     total, per_fn, _ = reward_set.score(inputs)
-    lengths = inputs.columns["completion_lengths"]
     m = {
         "num_examples": float(len(inputs.completions)),
         "reward_mean": _mean(np.nan_to_num(np.asarray(total, np.float64))),
-        "length_mean": _mean(lengths),
+        "length_mean": _mean(inputs.lengths),
         "truncated_frac": _mean(truncated),
     }
+    if inputs.model_lengths is not None:
+        every = np.asarray(inputs.columns["completion_lengths"], np.float64)
+        m["tool_length_mean"] = _mean(every - np.asarray(inputs.model_lengths, np.float64))
     for name, values in per_fn.items():
         values = np.asarray(values, np.float64)
         m[f"reward/{name}/mean"] = _mean(values[np.isfinite(values)])
         m[f"reward/{name}/failed_frac"] = _mean(np.isnan(values))
-    m.update(accuracy.rates(inputs.completions, inputs.columns))
+    m.update(accuracy.rates(inputs.model_completions, inputs.columns))
     return m

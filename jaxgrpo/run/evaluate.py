@@ -134,6 +134,7 @@ def evaluate_examples(
             out = sample(model, tokenizer, messages, settings, mesh, progress=bar.update)
         else:
             out = sample_episodes(model, agent, examples, settings, mesh, progress=bar.update)
+    graded = out.get("model_texts", out["texts"])  # what the model wrote, not the tools
     records = metrics.score_samples(
         out["texts"],
         [ex.get("answer") for ex in examples],
@@ -142,9 +143,11 @@ def evaluate_examples(
         truncated=out["truncated"],
         tokens=out["tokens"],
         verifiers=[ex.get("verifier") for ex in examples],
+        model_completions=graded,
+        model_tokens=out.get("model_tokens"),
     )
     if judge_fn is not None:
-        for record, verdict in zip(records, judge_fn(examples, out["texts"]), strict=True):
+        for record, verdict in zip(records, judge_fn(examples, graded), strict=True):
             record["judge"] = bool(verdict)
     summary = metrics.summarize(records, settings.num_samples)
     g = settings.num_samples

@@ -1,5 +1,6 @@
 """Registry, curricula, hybrid rewards and RewardSet (weights, None handling, errors)."""
 
+import asyncio
 import importlib.util
 import logging
 import math
@@ -11,6 +12,7 @@ import time
 import numpy as np
 import pytest
 
+from jaxgrpo.data.base import CHAT_ROW
 from jaxgrpo.rewards import (
     REWARDS,
     Curriculum,
@@ -18,6 +20,7 @@ from jaxgrpo.rewards import (
     RewardSet,
     TrainerState,
     get_reward,
+    reward_inputs,
     reward_name,
 )
 from jaxgrpo.rewards.bleu import bleu
@@ -331,3 +334,96 @@ def test_a_call_past_its_time_limit_scores_none_and_counts_toward_max_failed_ste
     with pytest.raises(RewardError, match=r"'hangs' failed on every sample of 2 .*0\.5 s") as info:
         rewards(["p"], ["<answer>1</answer>"], {}, 1, max_failed_steps=2)
     assert "conversational" not in str(info.value), "no hint about the data format"
+
+
+async def judge_slowly(prompts, completions, **_):
+    """An async reward (an LLM judge's stand-in): waits, then scores the length."""
+    await asyncio.sleep(0.6)
+    return [float(len(c)) for c in completions]
+
+
+class AsyncJudge:
+    """A callable instance whose ``__call__`` is a coroutine (TRL awaits these too)."""
+
+    __name__ = "async_judge"
+
+    async def __call__(self, prompts, completions, answer, **_):
+        await asyncio.sleep(0.6)
+        return [1.0 if a in c else 0.0 for c, a in zip(completions, answer, strict=True)]
+
+
+def test_async_reward_functions_are_awaited_together():
+    rewards = RewardSet([(judge_slowly, 1.0), (AsyncJudge(), 1.0), (length_reward, 1.0)])
+    t0 = time.perf_counter()
+    total, per_fn, _ = rewards(["p"] * 2, ["ab 4", "c"], {"answer": ["4", "5"]}, 0)
+    assert time.perf_counter() - t0 < 1.1, "the two 0.6 s judges ran at once"
+    np.testing.assert_array_equal(per_fn["judge_slowly"], np.float32([4, 1]))
+    np.testing.assert_array_equal(per_fn["async_judge"], np.float32([1, 0]))
+    np.testing.assert_allclose(total, np.float32([4 + 1 + 0.4, 1 + 0 + 0.1]))
+
+
+def test_async_reward_limits_and_errors_as_for_sync_ones():
+    async def waits_forever(prompts, completions, **_):
+        await asyncio.sleep(60)
+
+    async def blocks_the_loop(prompts, completions, **_):
+        time.sleep(2.0)  # never awaits: only the caller's wait can end
+        return [1.0] * len(completions)
+
+    async def fails_on_b(prompts, completions, **_):
+        if "b" in completions:
+            raise ValueError("cannot judge b")
+        return [2.0] * len(completions)
+
+    rewards = RewardSet([(waits_forever, 1.0), (fails_on_b, 1.0), ("format", 1.0)], timeout_s=0.5)
+    t0 = time.perf_counter()
+    _, per_fn, _ = rewards(["p"] * 2, ["a", "b"], {}, 0)
+    assert time.perf_counter() - t0 < 1.5, "rewards.timeout_s holds for async functions"
+    assert np.isnan(per_fn["waits_forever"]).all()
+    assert per_fn["fails_on_b"][0] == 2.0 and np.isnan(per_fn["fails_on_b"][1])
+    assert rewards.error_counts == {"waits_forever": 2, "fails_on_b": 1}
+    # One that never awaits holds the loop: the wait for it ends past its limit all the same.
+    blocked = RewardSet([(blocks_the_loop, 1.0), ("format", 1.0)], timeout_s=0.5)
+    t0 = time.perf_counter()
+    _, per_fn, _ = blocked(["p"], ["<answer>1</answer>"], {}, 0)
+    assert time.perf_counter() - t0 < 1.9
+    assert np.isnan(per_fn["blocks_the_loop"]).all() and per_fn["format"][0] == 1.0
+    time.sleep(0.6)  # the loop frees itself for what follows
+    with pytest.raises(RewardError, match="'fails_on_b' raised: ValueError"):
+        RewardSet([(fails_on_b, 1.0)], on_error="raise")(["p"], ["b"], {}, 0)
+
+
+def _chats(prompts, completions, **_):
+    """A TRL conversational function: fails on strings."""
+    return [
+        float(c[-1]["content"] == "4" and p[-1]["role"] == "user")
+        for p, c in zip(prompts, completions, strict=True)
+    ]
+
+
+@pytest.mark.parametrize(
+    "conversational, chat_rows, gets_messages",
+    [("auto", True, True), ("auto", False, False), (True, False, True), (False, True, False)],
+)
+def test_conversational_follows_the_data_as_trl_does(conversational, chat_rows, gets_messages):
+    """``"auto"``: message lists where the data's rows were chats (``CHAT_ROW``), strings
+    where the task built the prompt from text; True/False force one form."""
+    example = {"messages": [{"role": "user", "content": "2+2?"}], "answer": "4"}
+    if chat_rows:
+        example[CHAT_ROW] = True
+    seen = {}
+
+    def spy(prompts, completions, **kwargs):
+        seen.update(prompts=prompts, completions=completions, keys=set(kwargs))
+        return [0.0] * len(completions)
+
+    inputs = reward_inputs([example], 1, ["<rendered>"], ["4"], [[7]])
+    RewardSet([(spy, 1.0), ("exact_answer", 1.0)], conversational=conversational).score(inputs)
+    if gets_messages:
+        assert seen["prompts"] == [example["messages"]]
+        assert seen["completions"] == [[{"role": "assistant", "content": "4"}]]
+    else:
+        assert seen["prompts"] == ["<rendered>"] and seen["completions"] == ["4"]
+    assert CHAT_ROW not in seen["keys"] and "model_completions" in seen["keys"]
+    with pytest.raises(ValueError, match="conversational must be True, False or 'auto'"):
+        RewardSet([(spy, 1.0)], conversational="yes")

@@ -88,6 +88,16 @@ def _close(a, b, rtol):
         np.testing.assert_allclose(to_host(x), to_host(y), rtol=rtol, atol=rtol * 1e-3)
 
 
+def test_completion_length_counts_the_models_ids_and_tool_length_the_rest(plain):
+    """``completion/length_mean`` is TRL's: the model's ids only; the results' ids beside it."""
+    _, rollout, _, _ = plain
+    m = step_metrics.step_metrics(rollout, {"adv_metrics": {}}, {}, {"sampling": 1.0})
+    model = rollout.model_mask.sum(axis=1)
+    assert m["completion/length_mean"] == pytest.approx(model.mean())
+    assert m["completion/tool_length_mean"] == pytest.approx((rollout.lengths - model).mean())
+    assert m["completion/tool_length_mean"] == pytest.approx(TOOL.stop - TOOL.start)
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
 def test_tool_results_are_attended_but_never_trained(plain, loss_type):
     """Sequence-level (grpo), token-level (dapo) and Dr. GRPO's constant: the policy loss is
@@ -255,6 +265,8 @@ def test_the_learner_runs_scores_and_logs_episodes(agent_run):
     assert m["agent/tool_calls"] == 1.0 and m["agent/failed"] == 0.0
     assert 1.0 < m["agent/turns"] <= 2.0 and m["agent/tool_tokens"] > 0
     assert m["agent/model_tokens"] > n_call
+    assert m["completion/length_mean"] == m["agent/model_tokens"], "the model's ids only"
+    assert m["completion/tool_length_mean"] == m["agent/tool_tokens"]
     assert m["reward/Tally/mean"] == 1.0
     sample = agent_run["samples"][0]
     assert sample["turns"][0]["calls"][0] == {
@@ -284,3 +296,5 @@ def test_held_out_evaluation_runs_episodes(agent_run):
     m = learner.evaluate(agent_run["state"], agent_run["examples"])
     assert m["num_examples"] == 2
     assert "agent/tool_calls" in m and "reward/Tally/mean" in m
+    assert m["length_mean"] == m["agent/model_tokens"]
+    assert m["tool_length_mean"] == m["agent/tool_tokens"]
