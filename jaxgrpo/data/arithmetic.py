@@ -7,7 +7,10 @@ difficulty set by ``ops`` (arithmetic steps per problem) and ``max_number``. Eve
 carries ``answer`` and ``reference`` (the worked reasoning, which the embedding, BLEU and
 perplexity rewards compare against), like ``gsm8k`` examples.
 
-Problems are drawn from a few sentence templates with a seeded generator. The held-out set is
+Problems are drawn from a few sentence templates with a seeded generator. ``kind="expression"``
+asks for one operation on two numbers instead ("What is 913 * 510?"), TRL's calculator
+task: with numbers a small model cannot add or multiply in its head, a calculator decides the
+outcome, and the call is easy to write. The held-out set is
 the first ``num_eval`` of a fixed list of ``HELD_OUT`` problems drawn with a private seed, and
 training draws reject every question of that list, so a larger evaluation than the training
 run's (``jaxgrpo.evaluate --max_examples``) still holds out what it scores.
@@ -39,6 +42,10 @@ _WORKED_CALC = (
     "Mia has 4 bags of 3 pens and gets 5 more: <calc>4*3+5</calc><result>17</result> Mia has 17 "
     "pens now."
 )
+# The expression kind's two worked examples (TRL's calculator prompt shows two), in words or
+# with the calculator.
+_EXPRESSIONS = ((12, "*", 34), (250, "+", 117))
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _ITEMS = ("apples", "marbles", "stickers", "books", "pencils", "coins", "shells", "cookies")
 
 
@@ -80,6 +87,25 @@ def _next_step(rng: np.random.Generator, name: str, item: str, value: int, high:
     )
 
 
+def make_expression(rng: np.random.Generator, high: int) -> tuple[str, str, str]:
+    """(question, reasoning, answer) of one operation on two numbers in 10..``high`` (a
+    difference is never negative)."""
+    op = "+-*"[rng.integers(3)]
+    a, b = (int(x) for x in rng.integers(10, high + 1, size=2))
+    if op == "-" and b > a:
+        a, b = b, a
+    value = _OPS[op](a, b)
+    return f"What is {a} {op} {b}?", f"{a} {op} {b} = {value}.", str(value)
+
+
+def _worked_expression(a: int, op: str, b: int, calc: bool) -> str:
+    value = _OPS[op](a, b)
+    shown = (
+        f"<calc>{a}{op}{b}</calc><result>{value}</result>" if calc else f"{a} {op} {b} = {value}."
+    )
+    return f"{shown} <answer>{value}</answer>"
+
+
 def make_problem(rng: np.random.Generator, ops: int, high: int) -> tuple[str, str, str]:
     """(question, reasoning, answer) of one problem with ``ops`` arithmetic steps."""
     name, item = _NAMES[rng.integers(len(_NAMES))], _ITEMS[rng.integers(len(_ITEMS))]
@@ -101,8 +127,13 @@ class ArithmeticTask:
     Attributes:
       num_train: examples per ``train_examples(seed)`` call.
       num_eval: held-out problems: the first ones of the fixed list (at most ``HELD_OUT``).
-      ops: arithmetic facts per problem (1..4).
+      ops: arithmetic facts per problem (1..4) of the word problems.
       max_number: largest number a problem states.
+      kind: ``"word"`` problems, or ``"expression"``: "What is a op b?" with a and b in
+        10..``max_number`` and op one of + - * (two worked examples with ``worked_example``).
+      worked_calls: with ``worked_calc``, how many of the expression kind's two worked examples
+        call the calculator (the last ones; the others answer in words). TRL's calculator
+        prompt shows two calls, with which SmolLM2-135M calls it in every episode untrained.
       template / system_prompt: see ``jaxgrpo.data.build_messages`` (default: the seed study's
         instruction).
       worked_example: prepend one solved problem (same template, answer in the tag) as a
@@ -122,6 +153,8 @@ class ArithmeticTask:
     system_prompt: str | None = None
     worked_example: bool = False
     worked_calc: bool = False
+    kind: str = "word"
+    worked_calls: int = 2
 
     name: ClassVar[str] = "arithmetic"
     columns: ClassVar[tuple[str, ...]] = ("answer", "reference")
@@ -134,12 +167,26 @@ class ArithmeticTask:
             raise ValueError(f"arithmetic num_eval={self.num_eval} is not in 1..{HELD_OUT}")
         if self.max_number < 3:
             raise ValueError(f"arithmetic max_number={self.max_number} is below 3")
+        if self.kind not in ("word", "expression"):
+            raise ValueError(f"arithmetic kind={self.kind!r} is not 'word' or 'expression'")
+        if not 0 <= self.worked_calls <= len(_EXPRESSIONS):
+            raise ValueError(f"arithmetic worked_calls={self.worked_calls} is not in 0..2")
+        if self.kind == "expression" and self.max_number < 40:
+            raise ValueError(f"arithmetic expressions need max_number >= 40, not {self.max_number}")
 
     def _example(self, question: str, reasoning: str, answer: str) -> Example:
         messages = build_messages(
             question, template=self.template, system_prompt=self.system_prompt
         )
-        if self.worked_example:
+        if self.worked_example and self.kind == "expression":
+            shots = []
+            calls = self.worked_calls if self.worked_calc else 0
+            for i, (a, op, b) in enumerate(_EXPRESSIONS):
+                calc = i >= len(_EXPRESSIONS) - calls
+                shots.append(build_messages(f"What is {a} {op} {b}?", template=self.template)[-1])
+                shots.append({"role": "assistant", "content": _worked_expression(a, op, b, calc)})
+            messages = messages[:-1] + shots + messages[-1:]
+        elif self.worked_example:
             shown = build_messages(_EXAMPLE[0], template=self.template)[-1]
             worked = _WORKED_CALC if self.worked_calc else _EXAMPLE[1]
             solved = {"role": "assistant", "content": f"{worked} <answer>{_EXAMPLE[2]}</answer>"}
@@ -155,7 +202,10 @@ class ArithmeticTask:
                     f"arithmetic ops={self.ops} max_number={self.max_number} has too few distinct "
                     f"problems for {n} examples; raise max_number"
                 )
-            problem = make_problem(rng, self.ops, self.max_number)
+            if self.kind == "expression":
+                problem = make_expression(rng, self.max_number)
+            else:
+                problem = make_problem(rng, self.ops, self.max_number)
             key = content_key(problem[0])
             if key not in seen:
                 seen.add(key)

@@ -40,6 +40,7 @@ from jaxgrpo.run.study_results import (
     read_json,
     results_markdown,
     trained_step,
+    training_signal,
     write_json,
     write_plots,
 )
@@ -271,6 +272,7 @@ def run_study(
         trained_dir = cfg.run_dir if cfg.steps else None  # steps 0: the untrained model
         result = evaluator(arm.label, cfg, trained_dir, cfg.run_dir)
         rows[arm.label] = {**result, **trained, "run_dir": cfg.run_dir}
+        rows[arm.label]["signal"] = training_signal(trained_dir)
         s = result["summary"]
         say(f"arm {arm.label}: strict {100 * s['strict_accuracy']:.1f}% [{result['file']}]")
     protocol = dataclasses.asdict(evaluator.settings)

@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from jaxgrpo.settings.schema import TrainConfig
 
 if TYPE_CHECKING:  # the study's type only: the driver lies above its results
@@ -94,6 +96,7 @@ class Evaluator:
         result = {
             "task": task_name,
             "summary": summary,
+            "strict_se": strict_standard_error(records),
             "step": step,
             "eval_seconds": time.perf_counter() - t0,
         }
@@ -105,6 +108,38 @@ class Evaluator:
                 path, {"settings": protocol, "step": step, "study": result, "runs": {label: run}}
             )
         return {**result, "file": path}
+
+
+def strict_standard_error(records: list[dict]) -> float:
+    """The standard error of held-out strict accuracy over prompts: the samples of one prompt
+    are not independent, so each prompt's mean is one observation."""
+    per_prompt: dict[int, list[float]] = {}
+    for r in records:
+        per_prompt.setdefault(r["prompt"], []).append(float(r["strict"]))
+    means = np.array([np.mean(v) for v in per_prompt.values()])
+    return float(means.std(ddof=1) / np.sqrt(len(means))) if len(means) > 1 else 0.0
+
+
+def training_signal(run_dir: str | None) -> dict[str, float]:
+    """What a trained arm's steps had to learn from (its ``metrics.jsonl``): the mean fraction
+    of groups with zero advantage (every episode scored alike), the mean training reward, and
+    with tools the calls per episode at the first and the last step."""
+    path = os.path.join(run_dir or "", "metrics.jsonl")
+    if not run_dir or not os.path.exists(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    steps = [r for r in rows if "adv/frac_zero_std_groups" in r]
+    if not steps:
+        return {}
+    out = {
+        "zero_adv_groups": float(np.mean([r["adv/frac_zero_std_groups"] for r in steps])),
+        "train_reward": float(np.mean([r.get("reward/mean", np.nan) for r in steps])),
+    }
+    calls = [r["agent/tool_calls"] for r in steps if "agent/tool_calls" in r]
+    if calls:
+        out["calls_first"], out["calls_last"] = float(calls[0]), float(calls[-1])
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,6 +157,14 @@ def _mean_length(key: str) -> Callable[[dict], str]:
     def cell(r: dict) -> str:
         value = r["summary"][key]["mean"]
         return "-" if value != value else f"{value:.0f}"  # NaN: no such answers
+
+    return cell
+
+
+def _signal(key: str, scale: float = 1.0, fmt: str = "{:.2f}") -> Callable[[dict], str]:
+    def cell(result: dict) -> str:
+        value = result.get("signal", {}).get(key)
+        return "-" if value is None else fmt.format(scale * value)
 
     return cell
 
@@ -144,9 +187,14 @@ def columns(k: int, tools: bool = False) -> list[tuple[str, Callable[[dict], str
         ("turns", _per_episode("agent/turns")),
         ("tool errors / episode", _per_episode("agent/failed")),
     ]
+    se = lambda r: "-" if r.get("strict_se") is None else f"{100 * r['strict_se']:.1f}"  # noqa: E731
+    calls = [("train calls / episode, first -> last", _calls_trend)] if tools else []
     return [
         ("strict %", _pct(STRICT)),
+        ("s.e.", se),
         *(agent if tools else []),
+        ("zero-adv groups %", _signal("zero_adv_groups", 100.0, "{:.0f}")),
+        *calls,
         ("lenient %", _pct(LENIENT)),
         ("format %", _pct(FORMAT)),
         (f"pass@{k} %", _pct(f"pass@{k}")),
@@ -158,6 +206,13 @@ def columns(k: int, tools: bool = False) -> list[tuple[str, Callable[[dict], str
             lambda r: "-" if r.get("train_seconds") is None else f"{r['train_seconds'] / 60:.1f}",
         ),
     ]
+
+
+def _calls_trend(result: dict) -> str:
+    signal = result.get("signal", {})
+    if "calls_first" not in signal:
+        return "-"
+    return f"{signal['calls_first']:.2f} -> {signal['calls_last']:.2f}"
 
 
 def results_markdown(study: Study, rows: dict[str, dict], protocol: dict) -> str:
