@@ -283,3 +283,59 @@ def test_episodes_from_the_kept_cache_score_as_one_pass(tok, shape):
         drawn = batch.model_mask[r, :n] == 1
         assert drawn.sum() == 3 * (turn_lengths[r] + 1) and (~drawn).sum() > 0
         np.testing.assert_allclose(batch.logprobs[r, :n][drawn], want[drawn], atol=1e-5)
+
+
+def test_later_turns_compile_nothing_after_the_warm_up(tok):
+    """`warm_later_turns` compiles every later-turn program of a prompt shape up front: then
+    episodes whose turns resume from a first turn's cache and from a later turn's, with short
+    results (16-id chunks) and long ones (the wide chunk), compile nothing."""
+    import jax
+    from flax import nnx
+
+    from jaxgrpo.agents.rollout import CHUNK, warm_later_turns
+    from jaxgrpo.core.sharding import make_mesh
+    from jaxgrpo.eval.completions import mesh_sampler
+    from jaxgrpo.models.tiny import tiny_model
+    from jaxgrpo.sampling import SamplerSettings
+    from tests.learner_helpers import count_compiles
+
+    said = []
+
+    def echo() -> str:
+        """Says ok, then a long text."""
+        said.append(1)
+        return "ok" if len(said) % 2 else " ".join(["word"] * (CHUNK + 4))
+
+    mesh = make_mesh({"data": 1}, jax.devices()[:1])
+    model, _ = tiny_model(seed=0)
+    graphdef, state = nnx.split(model)
+    t = 160
+    settings = SamplerSettings.for_tokenizer(tok, max_new_tokens=t, temperature=1.0)
+    sample = mesh_sampler(
+        graphdef, (state,), model.cfg, mesh, settings, jax.random.key(0), keep_cache=True
+    )
+
+    def short_turns(ids, mask, num_samples, max_lengths, turn, resume=None):
+        rows = ids.shape[0] * num_samples if resume is None else resume.ids.shape[0]
+        cap = np.full(rows, 2, np.int32)
+        budget = cap if max_lengths is None else np.minimum(max_lengths, cap)
+        return sample(ids, mask, num_samples, budget, turn, resume)
+
+    ids, mask = tok.encode(["What is 3*4+5?", "Hi"])
+    warm_later_turns(short_turns, ids, mask, group=2, max_new_tokens=t, pad_id=tok.pad_id)
+    with count_compiles() as compiled:
+        batch = run_episodes(
+            lambda *a: types.SimpleNamespace(**short_turns(*a)),
+            tok,
+            EveryTurnCalls(),
+            [Toolbox([echo]) for _ in range(4)],
+            ids,
+            mask,
+            group=2,
+            max_new_tokens=t,
+            limits=AgentLimits(max_turns=4, max_tool_tokens=4 * CHUNK),
+        )
+    assert max(e.num_turns for e in batch.episodes) == 4
+    wide = [len(t.results[0].text.split()) > CHUNK for e in batch.episodes for t in e.turns[:-1]]
+    assert any(wide) and not all(wide), "both chunk widths must occur"
+    assert not compiled, f"{len(compiled)} programs compiled after the warm-up"
