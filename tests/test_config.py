@@ -49,6 +49,8 @@ BAD_OVERRIDES = [
     ({"rl.ref_reset_optimizer": True}, "rl.ref_reset_optimizer"),
     ({"rl.loss_type": "ppo"}, "rl.loss_type"),
     ({"sampling.top_p": 0.0}, "sampling.top_p"),
+    ({"sampling.stop": ("</calc>", "")}, "sampling.stop"),  # an empty stop string
+    ({"sampling.stop": ("</calc>", "</calc>")}, "sampling.stop"),  # a repeated one
     ({"sampling.temperature": 0.0}, "sampling.temperature"),
     (
         {"sampling.temperature_schedule.kind": "linear", "sampling.temperature_schedule.end": 0.0},
