@@ -88,11 +88,18 @@ def test_two_arm_study_end_to_end_then_resume_skips_finished(tmp_path):
         label = row.split("|")[1].strip()
         saved = json.load(open(os.path.join(out, "arms", label, "eval_test.json")))
         summary = next(iter(saved["runs"][label]["tasks"].values()))["summary"]
-        cells = [c.strip() for c in row.split("|")[2:-1]]
-        assert cells[0] == f"{100 * summary['strict_accuracy']:.1f}"
-        assert cells[1] == f"{100 * summary['lenient_accuracy']:.1f}"
-        assert cells[2] == f"{100 * summary['format_rate']:.1f}"
-        assert cells[3] == f"{100 * summary['pass@' + str(summary['num_samples'])]:.1f}"
+        header = next(r for r in table.splitlines() if r.startswith("| arm |"))
+        names = [c.strip() for c in header.split("|")[2:-1]]
+        cells = dict(zip(names, [c.strip() for c in row.split("|")[2:-1]], strict=True))
+        assert cells["strict %"] == f"{100 * summary['strict_accuracy']:.1f}"
+        assert cells["lenient %"] == f"{100 * summary['lenient_accuracy']:.1f}"
+        assert cells["format %"] == f"{100 * summary['format_rate']:.1f}"
+        k = summary["num_samples"]
+        assert cells[f"pass@{k} %"] == f"{100 * summary[f'pass@{k}']:.1f}"
+        se = results["arms"][label]["strict_se"]
+        assert cells["s.e."] == f"{100 * se:.1f}" and 0 <= se <= 0.5
+        zero = results["arms"][label]["signal"]["zero_adv_groups"]
+        assert cells["zero-adv groups %"] == f"{100 * zero:.0f}" and 0 <= zero <= 1
         same = json.dumps(results["arms"][label]["summary"], sort_keys=True)
         assert same == json.dumps(summary, sort_keys=True)  # NaN lengths compare as text
     assert os.path.exists(os.path.join(out, "plots", "heldout_accuracy.png"))
@@ -107,26 +114,35 @@ def test_shipped_studies_validate_every_arm(name, tmp_path):
 
 
 def test_tool_use_study_arms_and_its_table_columns(tmp_path):
-    """tool_use_mini's arms: the same budget for the trained ones, one untrained arm with the
-    tool, the calculator only where named; a table of arms with tools gets the per-episode
-    columns, with "-" for an arm without tools."""
+    """tool_use_mini's arms: the same budget for the trained ones, untrained arms with and
+    without the tool, the calculator only where named; a table of arms with tools gets the
+    per-episode columns and the calls over training, with "-" for an arm without tools."""
     study = study_lib.load_study("tool_use_mini")
     configs = study_lib.arm_configs(study, str(tmp_path))
     steps = {label: c.steps for label, c in configs.items()}
-    assert steps == {"no_tool": 20, "base_calculator": 0, "calculator": 20}
+    trained = ["no_tool", "calculator", "words_no_tool", "words_calculator"]
+    assert steps == {"base_no_tool": 0, "base_calculator": 0} | {a: 16 for a in trained}
     assert [label for label, c in configs.items() if c.agent.tools == ("calc",)] == [
         "base_calculator",
         "calculator",
+        "words_calculator",
     ]
+    assert {c.task.kwargs["kind"] for c in configs.values()} == {"expression", "word"}
     summary = {"num_prompts": 4, "pass@2": 0.5, "doom_loop": 0.0}
     summary |= {"strict_accuracy": 0.5, "lenient_accuracy": 0.5, "format_rate": 1.0}
     summary |= {"length_correct": {"mean": 10.0}, "length_incorrect": {"mean": 12.0}}
+    signal = {"zero_adv_groups": 0.25, "calls_first": 0.1, "calls_last": 0.9}
     rows = {
-        "no_tool": {"summary": summary},
-        "calculator": {"summary": {**summary, "agent/tool_calls": 0.75, "agent/turns": 1.5}},
+        "no_tool": {"summary": summary, "strict_se": 0.05, "signal": {"zero_adv_groups": 1.0}},
+        "calculator": {
+            "summary": {**summary, "agent/tool_calls": 0.75, "agent/turns": 1.5},
+            "strict_se": 0.04,
+            "signal": signal,
+        },
     }
     protocol = {"num_samples": 2, "max_new_tokens": 8, "temperature": 0.6, "top_p": 0.95}
     table = study_results.results_markdown(study, rows, protocol)
-    assert "| arm | strict % | tool calls / episode | turns | tool errors / episode |" in table
-    assert "| calculator | 50.0 | 0.75 | 1.50 | - |" in table
-    assert "| no_tool | 50.0 | - | - | - |" in table
+    head = "| arm | strict % | s.e. | tool calls / episode | turns | tool errors / episode |"
+    assert head + " zero-adv groups % | train calls / episode, first -> last |" in table
+    assert "| calculator | 50.0 | 4.0 | 0.75 | 1.50 | - | 25 | 0.10 -> 0.90 |" in table
+    assert "| no_tool | 50.0 | 5.0 | - | - | - | 100 | - |" in table

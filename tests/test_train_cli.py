@@ -71,6 +71,7 @@ class _ToyLearner:
     """
 
     programs = types.SimpleNamespace(n_params=3, n_trainable=3)
+    agent = None  # no tools
 
     def __init__(self, stop_at=None):
         self.seen, self.stop_at = [], stop_at
