@@ -97,15 +97,23 @@ def main() -> None:
     out = tempfile.mkdtemp(prefix="agent_step_")
     runs = {}
     for label, extra in (("without the tool", []), ("with the calculator", TOOL)):
-        runs[label] = train(args.config, args.steps, extra, os.path.join(out, label[:4]))
+        runs[label] = train(
+            args.config, args.steps, extra, os.path.join(out, "tool" if extra else "plain")
+        )
         print("\n".join(table(label, runs[label])), flush=True)
     plain, tool = runs["without the tool"], runs["with the calculator"]
 
     def warm(run):
-        steps = [sum(r[k] for k in PHASES if k in r) for r in run["rows"][1:]]
+        """Mean seconds of the steps after the first that compiled nothing."""
+        steps = [
+            sum(r[k] for k in PHASES if k in r)
+            for i, r in enumerate(run["rows"][1:], 2)
+            if not run["compiles"].get(i)
+        ]
         return sum(steps) / max(len(steps), 1)
 
-    late = sum(n for step, n in tool["compiles"].items() if step > 1)
+    steps = len(tool["rows"])  # compilations past the last step are the closing evaluation's
+    late = sum(n for step, n in tool["compiles"].items() if 1 < step <= steps)
     print(
         f"\nwarm step with the tool / without: {warm(tool):.1f} / {warm(plain):.1f} s = "
         f"{warm(tool) / warm(plain):.2f}x; whole run {tool['wall']:.0f} / {plain['wall']:.0f} s "
