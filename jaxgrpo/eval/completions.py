@@ -247,15 +247,16 @@ def complete_episodes(
       (what the model wrote of each, without the tools' results: what accuracy grades),
       ``model_tokens`` (ids the model drew per episode, the rest being tool results),
       ``episodes`` (``jaxgrpo.agents.Episode``),
-      ``environments`` (None without an environment), ``chats`` (per example: the prompt the
-      episodes started from) and ``model_mask`` (per episode, over its ids).
+      ``environments`` (None without an environment), ``chats`` and ``prompts`` (per example:
+      the chat the episodes started from, and its text as the model read it, with the tools
+      where the template renders them) and ``model_mask`` (per episode, over its ids).
     """
     g = settings.num_samples
     out: dict[str, list] = {
         k: []
         for k in ("texts", "lengths", "truncated", "tokens", "model_tokens", "episodes", "chats")
     }
-    out["model_texts"] = []
+    out["model_texts"], out["prompts"] = [], []
     out["model_mask"], environments = [], []
     key = jax.random.key(seed)
     # Calling turns end at the format's stop strings, inside the compiled decode loop.
@@ -264,7 +265,8 @@ def complete_episodes(
         chunk = list(examples[start : start + batch_size])
         padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
         chats, toolboxes = agent.start(padded, g)
-        ids, mask = agent.tokenizer.encode_chat(chats, tools=agent.prompt_tools(padded))
+        tools = agent.prompt_tools(padded)
+        ids, mask = agent.tokenizer.encode_chat(chats, tools=tools)
         sample = mesh_sampler(
             graphdef, states, model_cfg, mesh, stopping, jax.random.fold_in(key, i),
             keep_cache=agent.keeps_cache,
@@ -284,6 +286,10 @@ def complete_episodes(
         out["episodes"] += episodes[:keep]
         out["model_texts"] += model_texts(out["texts"][-keep:], episodes[:keep])
         out["chats"] += chats[: len(chunk)]
+        out["prompts"] += [
+            agent.tokenizer.apply_chat_template(c, tools=None if tools is None else tools[j])
+            for j, c in enumerate(chats[: len(chunk)])
+        ]
         environments += (envs or [])[:keep]
         if progress is not None:
             progress(len(chunk))

@@ -72,7 +72,7 @@ def evaluate_episodes(learner: Any, state: Any, examples: Sequence[dict]) -> dic
     """``evaluate`` for a run with tools: one greedy episode per example, with the run's tools,
     environment and limits, scored as in training (the environments' rewards included); the
     accuracy and reward metrics plus ``step_metrics.agent_metrics``."""
-    p, tok = learner.programs, learner.tokenizer
+    p = learner.programs
     out = complete_episodes(
         p.graphdef,
         (state.params, p.frozen),
@@ -86,7 +86,7 @@ def evaluate_episodes(learner: Any, state: Any, examples: Sequence[dict]) -> dic
     inputs = reward_inputs(
         examples,
         1,
-        [tok.apply_chat_template(m) for m in out["chats"]],
+        out["prompts"],
         out["texts"],
         out["tokens"],
         step=int(to_host(state.step)),

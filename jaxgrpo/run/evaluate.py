@@ -158,7 +158,10 @@ def evaluate_examples(
         lengths, model_tokens = out["lengths"], out["model_tokens"]
         summary.update(agent_metrics(out["episodes"], lengths, model_tokens))
     if reward_set is not None:
-        prompts = [tokenizer.apply_chat_template(m) for m in chats for _ in range(g)]
+        if agent is None:
+            prompts = [tokenizer.apply_chat_template(m) for m in chats for _ in range(g)]
+        else:  # as the episodes saw them: with the tools where the template renders them
+            prompts = [p for p in out["prompts"] for _ in range(g)]
         inputs = reward_inputs(
             examples,
             g,
