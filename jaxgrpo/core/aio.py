@@ -3,7 +3,7 @@
 TRL's ``GRPOTrainer`` accepts async tools and an async ``get_reward`` and awaits them on one event
 loop that runs on a daemon thread; so does jaxgrpo. The loop is started on first use (no import
 side effect) and lives as long as the process, so an environment may keep loop-bound state (an
-HTTP session) across calls. ``gather`` hands it a batch of coroutines, which run concurrently,
+HTTP client) across calls. ``gather`` hands it a batch of coroutines, which run concurrently,
 each under its own wall-time limit (``asyncio.timeout``: no signal is involved, so the limit
 holds whichever thread waits, main or not).
 
