@@ -205,10 +205,7 @@ def run_episodes(
                 continue
             keep = len(seam.ids)
             row.extend(seam.ids, 1, logprobs[i, :keep], temps[i, :keep])
-            record = tokenizer.hf.decode(
-                seam.ids[:-1] if ended else seam.ids, skip_special_tokens=False
-            )
-            row.episode.add_turn(record if not seam.at_stop else text, not_run=len(calls))
+            row.episode.add_turn(text, not_run=len(calls))
         # Each row's calls run on its owner's process only; every process gets the results.
         # A turn's async calls run concurrently (``Toolbox.run_all``).
         run = lambda r, calls=calling: toolboxes[r].run_all(  # noqa: E731

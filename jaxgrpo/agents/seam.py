@@ -63,7 +63,7 @@ class Seam:
         """(the model ids to keep, the text to append after them) for ``follow``, the text
         that must come after the stop string."""
         if follow.startswith(self.overhang) or len(self.ids) < 2:
-            return self.ids, follow[len(self.overhang) :] if self.overhang else follow
+            return self.ids, follow[len(self.overhang) :]
         return self.ids[:-1], self.text[len(self.prefix) :] + follow
 
 
