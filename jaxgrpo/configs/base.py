@@ -205,6 +205,21 @@ def _agent() -> ConfigDict:
     return c
 
 
+def _teacher() -> ConfigDict:
+    c = ConfigDict()
+    # a frozen teacher scoring every sampled token (any model.source: HF dir, .gguf, "smollm2",
+    # a run directory's latest checkpoint with its LoRA merged); its tokenizer must be the
+    # policy's; "" = no teacher
+    c.source = ""
+    # on-policy distillation: the advantage of each model token gains
+    # coef * (log p_teacher - log p_student), stop-gradient (the per-token reverse KL); 0 = off
+    c.distill_coef = 0.0
+    # the KL penalty (rl.beta, rl.kl_estimator, rl.kl_in_reward) is toward the teacher in
+    # place of the reference policy (no reference pass then)
+    c.as_reference = False
+    return c
+
+
 def get_config() -> ConfigDict:
     """Returns the full default config (every field present)."""
     c = ConfigDict()
@@ -223,4 +238,5 @@ def get_config() -> ConfigDict:
     c.logging = _logging()  # metrics, samples, progress
     c.eval = _eval()  # held-out evaluation: during training, and python -m jaxgrpo.evaluate
     c.agent = _agent()  # tools and environments: episodes of several turns (none by default)
+    c.teacher = _teacher()  # a second, frozen model: distillation term or KL target (off)
     return c

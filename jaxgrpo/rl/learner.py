@@ -3,6 +3,7 @@
     examples --chat template--> prompts [B, P] --sampler (prefill + decode)--> completions [R, T]
       --decode + rewards (host)--> rewards [R] --(dynamic sampling: refill zero-variance groups)
       --reference log-probs (LoRA zeroed, prefix-shared; skipped when beta == 0)
+      --teacher log-probs (a second frozen model, same pass; with `teacher`)
       --KL in reward (optional)--> group advantages [R]
       --ppo_epochs x shuffled minibatches of groups x grad-accum micro-batches--> optax updates
 
@@ -51,6 +52,8 @@ class Learner:
         mesh: the (data, fsdp, tensor) mesh; None makes one over all devices on `data`.
         agent: a `jaxgrpo.agents.Agent`: rollouts are episodes of several turns with its tools
             (tool results masked from the loss); None: one completion per sample.
+        teacher: the frozen teacher `Transformer` when `cfg.teacher` uses one (its tokenizer
+            is the policy's), else None.
 
     Attributes:
         programs: the step's compiled programs, their shardings and the frozen weights.
@@ -58,11 +61,13 @@ class Learner:
         buckets: the batch widths seen so far (they only grow: few recompiles).
     """
 
-    def __init__(self, cfg, model, tokenizer, task, reward_set, mesh=None, agent=None):
+    def __init__(
+        self, cfg, model, tokenizer, task, reward_set, mesh=None, agent=None, teacher=None
+    ):
         self.cfg, self.rl, self.agent = cfg, cfg.rl, agent
         self.tokenizer, self.task, self.reward_set = tokenizer, task, reward_set
         self.mesh = mesh if mesh is not None else sharding.make_mesh({"data": -1})
-        self.programs = StepPrograms(cfg, model, self.mesh)
+        self.programs = StepPrograms(cfg, model, self.mesh, teacher)
         # An agent's calling turns end at its format's stop strings (the tag format's
         # closing tags), inside the compiled decode loop.
         stops = agent.format.stop_strings() if agent is not None else ()
@@ -136,8 +141,13 @@ class Learner:
         fwd = int(p.needs_ref) + int(p.old_from == "forward")
         metrics.update(
             step_metrics.flop_metrics(
-                p.n_params, rollout, fwd, p.updates_per_step, metrics["time/step_learner"]
-            )
+                p.n_params,
+                rollout,
+                fwd,
+                p.updates_per_step,
+                metrics["time/step_learner"],
+                teacher_params=p.n_teacher_params,
+            )  # fmt: skip
         )
         return state, metrics, step_metrics.samples(rollout, extra["advantages"], step)
 
@@ -271,14 +281,19 @@ class Learner:
     ) -> tuple[ro.RolloutBatch, dict]:
         """Reference/old log-probs, KL-in-reward, advantages, loss mask -> the device batch.
 
-        The scoring passes count as the "reference" phase of ``timer``, the rest as "update"."""
+        The scoring passes count as the "reference" phase of ``timer`` (the teacher's as
+        "teacher"), the rest as "update"."""
         timer = timer or step_metrics.Timer()
         with timer("update"):
             inputs, packing, shared, t = self.batch_inputs(r)
+        teacher_logp = None
+        if self.programs.teacher_logprobs is not None:
+            with timer("teacher"):
+                teacher_logp = self._teacher_pass(inputs, packing, shared)
         with timer("reference"):
             logps = self._scoring_passes(state, r, inputs, packing, shared, t)
         with timer("update"):
-            return self._finish_batch(r, inputs, packing, shared, t, *logps)
+            return self._finish_batch(r, inputs, packing, shared, t, *logps, teacher_logp)
 
     def batch_inputs(self, r: ro.Rollout) -> tuple:
         """(device inputs, packing, shared prefix, width T) of the scoring passes and update."""
@@ -303,6 +318,12 @@ class Learner:
         inputs = (put(prompt_ids), put(prompt_mask), put(tokens), put(mask), put(temps))
         return inputs, packing, shared, t
 
+    def _teacher_pass(self, inputs, packing, shared):
+        """The teacher's log-probs [R, T] of the batch, waited for."""
+        p = self.programs
+        logp = p.teacher_logprobs(*p.teacher_weights, *inputs, packing, shared)[0]
+        return jax.block_until_ready(logp)
+
     def _scoring_passes(self, state: TrainState, r: ro.Rollout, inputs, packing, shared, t):
         """(sampler, old-policy, reference) log-probs [R, T], waited for, so that the phase
         timer counts their compute and not only their dispatch."""
@@ -318,17 +339,26 @@ class Learner:
             old_logp = sampler_logp
         return jax.block_until_ready((sampler_logp, old_logp, ref_logp))
 
-    def _finish_batch(self, r, inputs, packing, shared, t, sampler_logp, old_logp, ref_logp):
+    def _finish_batch(
+        self, r, inputs, packing, shared, t, sampler_logp, old_logp, ref_logp, teacher_logp
+    ):
         """KL-in-reward, advantages and the loss mask -> (the device batch, host extras)."""
         put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
+        p = self.programs
         trained = r.trained_mask[:, :t]  # the model's own ids: tool results get no loss or KL
         truncated = r.stop_reason == step_metrics.LENGTH
         loss_mask = trained * (~truncated[:, None]) if self.rl.mask_truncated else trained
         rewards = r.rewards
         extra: dict[str, Any] = {}
-        if self.programs.needs_ref and self.rl.kl_in_reward:
-            forward = self.programs.old_from == "forward"
-            behaviour = sharding.to_host(old_logp) if forward else r.logprobs[:, :t]
+        forward = p.old_from == "forward"
+        behaviour = sharding.to_host(old_logp) if forward else r.logprobs[:, :t]
+        if p.kl_to_teacher:
+            ref_logp = teacher_logp
+        if teacher_logp is not None:
+            extra["teacher"] = step_metrics.teacher_metrics(
+                behaviour, sharding.to_host(teacher_logp), trained, r.correct
+            )
+        if (p.needs_ref or p.kl_to_teacher) and self.rl.kl_in_reward:
             penalized, kl_R = kl_penalized_rewards(
                 rewards, behaviour, sharding.to_host(ref_logp), trained, self.rl.beta
             )
@@ -350,6 +380,7 @@ class Learner:
             advantages=put(adv.astype(np.float32)),
             packing=packing,
             shared_ids=shared,
+            teacher_logp=teacher_logp if p.objective.use_teacher_logp else None,
         )
         return batch, extra
 

@@ -86,6 +86,9 @@ class Objective:
       entropy_coef: entropy bonus weight (needs an entropy); a Python 0 drops the term.
       top_entropy_frac: keep the policy-gradient term only on this fraction of the valid
         tokens with the highest entropy (KL and entropy terms stay on all tokens); None = all.
+      distill_coef: on-policy distillation: each token's advantage gains
+        ``distill_coef * (teacher_logp - behaviour_logp)`` without gradient, the per-token
+        reverse KL to a teacher (needs ``teacher_logp``).
     """
 
     spec: LossSpec = LOSS_PRESETS["grpo"]
@@ -99,6 +102,7 @@ class Objective:
     ratio_cap: float | Array | None = None
     entropy_coef: float | Array = 0.0
     top_entropy_frac: float | Array | None = None
+    distill_coef: float | Array = 0.0
 
     @classmethod
     def preset(

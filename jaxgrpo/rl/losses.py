@@ -19,6 +19,12 @@ Aggregations (``x`` per-token values, ``m`` the mask, ``n_i = sum_t m_it``):
   * ``"token_mean"``: ``sum_it x_it m_it / num_tokens``;
   * ``"constant"``: ``sum_it x_it m_it / (num_sequences * max_completion_length)``.
 
+On-policy distillation (``distill_coef > 0`` with a teacher's log-probs): the advantage becomes
+per token, ``A_t = A + distill_coef * (teacher_logp_t - behaviour_logp_t)`` without gradient,
+so the surrogate pushes each sampled token toward the teacher's probability of it: the
+per-token reverse KL ``log pi_student - log pi_teacher`` on the student's own samples,
+as a penalty (Thinking Machines' on-policy distillation; TRL's GKD with ``lmbda = 1``).
+
 Rows with no valid token count in ``num_sequences`` (as in TRL) and contribute 0. The KL
 term ``beta * k(ref_logp - logp)`` (``kl.py``) and the entropy bonus ``-entropy_coef * H``
 are per-token values aggregated the same way as the surrogate.
@@ -173,16 +179,17 @@ def _log_ratio_RT(logp_RT, old_RT, valid_RT, ratio_level):
     return jnp.broadcast_to(seq_R[:, None], log_ratio_RT.shape)
 
 
-def _clip_surrogate(ratio_RT, adv_R1, eps_low, eps_high, dual_clip, ratio_cap):
-    """Per-token clipped loss and the low/high clip indicators."""
+def _clip_surrogate(ratio_RT, adv, eps_low, eps_high, dual_clip, ratio_cap):
+    """Per-token clipped loss and the low/high clip indicators; ``adv`` is [R, 1] or, with a
+    distillation term, [R, T]."""
     clipped_RT = jnp.clip(ratio_RT, 1.0 - eps_low, 1.0 + eps_high)
     unclipped_RT = ratio_RT if ratio_cap is None else jnp.minimum(ratio_RT, ratio_cap)
-    loss_RT = -jnp.minimum(unclipped_RT * adv_R1, clipped_RT * adv_R1)
+    loss_RT = -jnp.minimum(unclipped_RT * adv, clipped_RT * adv)
     if dual_clip is not None:
-        loss_RT = jnp.where(adv_R1 < 0, jnp.minimum(loss_RT, -dual_clip * adv_R1), loss_RT)
+        loss_RT = jnp.where(adv < 0, jnp.minimum(loss_RT, -dual_clip * adv), loss_RT)
     # PPO clips r from below only where A < 0 and from above only where A > 0.
-    low_RT = (ratio_RT < 1.0 - eps_low) & (adv_R1 < 0)
-    high_RT = (ratio_RT > 1.0 + eps_high) & (adv_R1 > 0)
+    low_RT = (ratio_RT < 1.0 - eps_low) & (adv < 0)
+    high_RT = (ratio_RT > 1.0 + eps_high) & (adv > 0)
     return loss_RT, low_RT, high_RT
 
 
@@ -191,13 +198,13 @@ def _clean(x, *, valid_RT, dtype):
     return jnp.where(valid_RT, jnp.asarray(x).astype(dtype), jnp.zeros((), dtype))
 
 
-def _policy_term_RT(spec, logp_RT, old_RT, adv_R1, valid_RT, clip_args):
+def _policy_term_RT(spec, logp_RT, old_RT, adv, valid_RT, clip_args):
     """Per-token policy-gradient loss and the ratio/clip metrics."""
     ratio_RT = jnp.exp(_log_ratio_RT(logp_RT, old_RT, valid_RT, spec.ratio_level))
     if spec.surrogate == "clip":
-        pg_RT, low_RT, high_RT = _clip_surrogate(ratio_RT, adv_R1, *clip_args)
+        pg_RT, low_RT, high_RT = _clip_surrogate(ratio_RT, adv, *clip_args)
     else:
-        pg_RT = -logp_RT * adv_R1
+        pg_RT = -logp_RT * adv
         low_RT = high_RT = jnp.zeros(valid_RT.shape, bool)
     metrics = _ratio_metrics(jax.lax.stop_gradient(ratio_RT), valid_RT, low_RT, high_RT)
     return pg_RT, metrics
@@ -234,6 +241,7 @@ def policy_loss(
     entropy=None,
     entropy_threshold=None,
     is_weights=None,
+    teacher_logp=None,
     num_tokens=None,
     num_sequences=None,
 ):
@@ -258,6 +266,9 @@ def policy_loss(
         ``objective.top_entropy_frac``.
       is_weights: ``[R, T]`` importance weights multiplied into the policy term, without
         gradient (e.g. ``truncated_is_weights`` for sampler/trainer mismatch).
+      teacher_logp: ``[R, T]`` a teacher's log-probs of the sampled tokens: with
+        ``objective.distill_coef``, the distillation term joins the advantage (module
+        docstring); ``distill_reverse_kl`` is reported whenever it is given.
       num_tokens: whole-step valid-token count (``"token_mean"``); default: this batch's.
       num_sequences: whole-step sequence count; default: ``R``.
 
@@ -265,8 +276,9 @@ def policy_loss(
       ``(loss, metrics)``: a scalar and a dict of scalars: ``loss``, ``policy_loss``,
       ``kl_loss`` (``beta`` times the aggregated KL), ``entropy_loss``, ``kl_mean``,
       ``clip_frac_low``, ``clip_frac_high``, ``clip_frac``, ``ratio_mean``, ``ratio_min``,
-      ``ratio_max``, ``num_tokens`` and, with an entropy, ``entropy_mean`` and
-      ``frac_tokens_pg``. Means are over this batch's valid tokens.
+      ``ratio_max``, ``num_tokens``, with an entropy ``entropy_mean`` and
+      ``frac_tokens_pg``, and with a teacher ``distill_reverse_kl`` (the mean of
+      ``behaviour_logp - teacher_logp``). Means are over this batch's valid tokens.
     """
     o = objective
     spec = o.spec
@@ -275,7 +287,12 @@ def policy_loss(
     clean = functools.partial(_clean, valid_RT=valid_RT, dtype=dtype)
     logp_RT = clean(logp)
     old_RT = jax.lax.stop_gradient(logp_RT) if old_logp is None else clean(old_logp)
-    adv_R1 = jnp.asarray(advantages).astype(dtype)[:, None]
+    adv = jnp.asarray(advantages).astype(dtype)[:, None]  # [R, 1], or [R, T] when distilling
+    distill_RT = None
+    if teacher_logp is not None:
+        # Per-token reverse KL of the behaviour policy to the teacher, on the sampled tokens.
+        distill_RT = jax.lax.stop_gradient(old_RT - clean(teacher_logp))
+        adv = adv - o.distill_coef * distill_RT
     agg = functools.partial(
         aggregate,
         mask_RT=valid_RT,
@@ -285,7 +302,7 @@ def policy_loss(
         max_completion_length=o.max_completion_length,
     )
     clip_args = (o.eps_low, o.eps_high, o.dual_clip, o.ratio_cap)
-    pg_RT, metrics = _policy_term_RT(spec, logp_RT, old_RT, adv_R1, valid_RT, clip_args)
+    pg_RT, metrics = _policy_term_RT(spec, logp_RT, old_RT, adv, valid_RT, clip_args)
     if is_weights is not None:
         pg_RT = pg_RT * jax.lax.stop_gradient(clean(is_weights))
     ent_RT = None
@@ -300,6 +317,8 @@ def policy_loss(
         keep_RT = jax.lax.stop_gradient(ent_RT) >= entropy_threshold
         pg_RT = jnp.where(keep_RT, pg_RT, jnp.zeros_like(pg_RT))
         metrics["frac_tokens_pg"] = _masked_mean(keep_RT.astype(dtype), valid_RT)
+    if distill_RT is not None:
+        metrics["distill_reverse_kl"] = _masked_mean(distill_RT, valid_RT)
     metrics["policy_loss"] = agg(pg_RT)
     metrics["kl_loss"] = metrics["kl_mean"] = jnp.zeros((), dtype)
     if ref_logp is not None:

@@ -44,7 +44,9 @@ class ObjectiveSpec:
         group_size: G.
         tis_cap: truncated importance-sampling cap; 0 = off.
         use_old_logp: take behaviour log-probs from the batch (several updates per rollout).
-        use_ref_logp: add the KL term against the batch's reference log-probs.
+        use_ref_logp: add the KL term against the batch's reference log-probs (a teacher's,
+            with ``teacher.as_reference``).
+        use_teacher_logp: add the distillation term from the batch's teacher log-probs.
         chunk_size: positions per logits block.
     """
 
@@ -53,14 +55,15 @@ class ObjectiveSpec:
     tis_cap: float
     use_old_logp: bool
     use_ref_logp: bool
+    use_teacher_logp: bool = False
     chunk_size: int = 64
 
     @classmethod
-    def from_config(cls, rl, sampling, *, use_old_logp: bool) -> ObjectiveSpec:
+    def from_config(cls, rl, sampling, *, use_old_logp: bool, distill_coef: float = 0.0):
         """The loss of a run: its ``RLConfig`` (``rl``, where 0 turns an option off) and the
         sampler's ``max_new_tokens`` (Dr. GRPO's constant: the batch itself may be trimmed to
         its longest completion); ``use_old_logp`` is the learner's choice (several updates
-        per rollout)."""
+        per rollout); ``distill_coef`` the teacher's (``teacher.distill_coef``, 0 = none)."""
         kl_in_loss = scores_reference(rl) and not rl.kl_in_reward
         loss = Objective.preset(
             rl.loss_type,
@@ -74,6 +77,7 @@ class ObjectiveSpec:
             ratio_cap=rl.ratio_cap or None,
             entropy_coef=rl.entropy_coef,
             top_entropy_frac=rl.top_entropy_frac or None,
+            distill_coef=distill_coef,
         )
         return cls(
             loss=loss,
@@ -81,6 +85,7 @@ class ObjectiveSpec:
             tis_cap=rl.tis_cap,
             use_old_logp=use_old_logp,
             use_ref_logp=kl_in_loss,
+            use_teacher_logp=distill_coef > 0,
         )
 
 
@@ -165,6 +170,7 @@ def make_loss_fn(
             spec.loss,
             entropy=entropy,
             is_weights=is_weights,
+            teacher_logp=take(batch.teacher_logp, rows) if spec.use_teacher_logp else None,
             **norms,
         )
         gap = jnp.abs(jax.lax.stop_gradient(logp) - sampler_logp)

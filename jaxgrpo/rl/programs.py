@@ -14,6 +14,10 @@ to every program and never donated, checkpointed or copied. The reference policy
 the policy after a reference reset, or for full fine-tuning with resets a copy of the weights.
 Full fine-tuning without resets keeps no copy: its reference is the initial weights held here
 anyway (``reference``), one model's worth of memory less.
+
+A teacher (``cfg.teacher``) is a second frozen model on the same mesh, sharded by its own
+rules: its weights live here beside the policy's frozen ones, and its scoring pass is the same
+prefix-shared, packed program as the reference's, built over its own graph.
 """
 
 from __future__ import annotations
@@ -52,16 +56,22 @@ class StepPrograms:
             whose parameters become sharded `jax.ShapeDtypeStruct`s: the programs can then be
             lowered and compiled (`jaxgrpo.planning.aot`), but not run.
         mesh: the (data, fsdp, tensor) mesh.
+        teacher: the frozen teacher `Transformer` when `cfg.teacher` uses one (placed, or
+            abstract as `model`), else None.
 
     Attributes:
         graphdef: the model's graph, closed over by every program.
         params0 / frozen: the trainable parameters as built, and the frozen weights.
         objective: the loss's `ObjectiveSpec`.
+        needs_ref: the run scores a reference policy (a KL term not aimed at the teacher).
+        kl_to_teacher: the KL term's target is the teacher's log-probs.
+        teacher_weights: the teacher's (params, rest), or None without a teacher.
         old_from: where behaviour log-probs come from ("none", "sampler" or "forward").
-        logprobs / update / advance / copy / zero / opt_init: the compiled programs.
+        logprobs / teacher_logprobs / update / advance / copy / zero / opt_init: the compiled
+            programs.
     """
 
-    def __init__(self, cfg, model, mesh):
+    def __init__(self, cfg, model, mesh, teacher=None):
         self.cfg, self.rl, self.mesh = cfg, cfg.rl, mesh
         self.model_cfg = model.cfg
         self.lora = bool(jax.tree.leaves(nnx.state(model, nnx.LoRAParam)))
@@ -83,14 +93,35 @@ class StepPrograms:
         self.optimizer = make_optimizer(
             cfg.optim, total, self.updates_per_step, self.layout.grad_norm
         )
-        self.needs_ref = scores_reference(self.rl)
+        teacher_cfg = cfg.teacher
+        if teacher_cfg.enabled != (teacher is not None):
+            raise ValueError("pass the teacher model exactly when cfg.teacher uses one")
+        self.kl_to_teacher = scores_reference(self.rl) and teacher_cfg.as_reference
+        self.needs_ref = scores_reference(self.rl) and not self.kl_to_teacher
+        self._place_teacher(teacher, mesh)
         # Full fine-tuning's reference is the initial weights (`params0`) until a reset.
         self.ref_in_state = self.needs_ref and (self.lora or self.rl.ref_reset_every > 0)
         self.old_from = self._old_logp_source()
         self.objective = ObjectiveSpec.from_config(
-            self.rl, cfg.sampling, use_old_logp=self.old_from != "none"
+            self.rl,
+            cfg.sampling,
+            use_old_logp=self.old_from != "none",
+            distill_coef=teacher_cfg.distill_coef if teacher is not None else 0.0,
         )
         self.build()
+
+    def _place_teacher(self, teacher, mesh) -> None:
+        """Splits the teacher into (params, rest) on its own rules' shardings."""
+        self.teacher_weights = self.teacher_sh = self.teacher_graphdef = None
+        self.n_teacher_params = 0
+        if teacher is None:
+            return
+        self.teacher_model_cfg = teacher.cfg
+        self.teacher_graphdef, *weights = nnx.split(teacher, nnx.Param, ...)
+        rules = getattr(getattr(teacher, "shard_ctx", None), "rules", sharding.TRAIN_RULES)
+        self.teacher_sh = tuple(sharding.param_shardings(w, mesh, rules) for w in weights)
+        self.teacher_weights = tuple(map(_place, weights, self.teacher_sh))
+        self.n_teacher_params = sum(x.size for x in jax.tree.leaves(weights))
 
     def _check_batch_layout(self) -> None:
         shards = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
@@ -131,6 +162,11 @@ class StepPrograms:
         self.zero = jax.jit(zero_lora, out_shardings=self.param_sh)
         self.opt_init = jax.jit(self.optimizer.init, out_shardings=self.state_sh.opt_state)
         self.logprobs = make_logprobs_fn(self.graphdef, group_size=self.rl.group_size)
+        self.teacher_logprobs = None
+        if self.teacher_graphdef is not None:
+            self.teacher_logprobs = make_logprobs_fn(
+                self.teacher_graphdef, group_size=self.rl.group_size
+            )
         self.advance = jax.jit(
             lambda step, rng: (step + 1, *jax.random.split(rng, 3)),
             out_shardings=self.replicated,
@@ -170,6 +206,7 @@ class StepPrograms:
             advantages=sharding.batch_sharding(self.mesh, n, 1),
             packing=packing,
             shared_ids=self.replicated,
+            teacher_logp=rows if self.objective.use_teacher_logp else None,
         )
 
     def replicate(self, value, dtype) -> jax.Array:
@@ -270,6 +307,7 @@ class StepPrograms:
             advantages=np.zeros((n,), np.float32),
             packing=packing_lib.pack(np.full(n, t), g, t) if self.rl.pack_completions else None,
             shared_ids=np.zeros((1, 0), np.int32),
+            teacher_logp=np.zeros((n, t), np.float32) if self.objective.use_teacher_logp else None,
         )
         return jax.tree.map(abstract_array, host, self.batch_shardings())
 

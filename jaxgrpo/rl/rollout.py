@@ -162,6 +162,8 @@ class RolloutBatch:
             each completion in its own row.
         shared_ids: int32 [1, C] tokens every prompt begins with (`split_common_prefix`);
             `prompt_ids` then hold only what follows them. None or C = 0: nothing shared.
+        teacher_logp: float32 [R, T] a teacher's log-probs of the completions, for the
+            distillation term; None without one.
     """
 
     prompt_ids: Array
@@ -176,6 +178,7 @@ class RolloutBatch:
     advantages: Array
     packing: Packing | None = None
     shared_ids: Array | None = None
+    teacher_logp: Array | None = None
 
 
 @dataclasses.dataclass

@@ -29,7 +29,7 @@ REWARD_STD = "reward/std"
 KL_MEAN = "kl/mean"
 ACCURACY = "strict_accuracy"
 TRUNCATED_FRAC = "completion/truncated_frac"
-TIME_KEYS = ("time/sampling", "time/rewards", "time/reference", "time/update")
+TIME_KEYS = ("time/sampling", "time/rewards", "time/reference", "time/teacher", "time/update")
 
 _WARNED: set[str] = set()
 
@@ -257,11 +257,12 @@ class ProgressBar:
                 parts.append(f"{name} failed={float(value):.2f}")
         times = [float(metrics[k]) if k in metrics else None for k in TIME_KEYS]
         if any(t is not None for t in times):
-            names = ("sample", "reward", "ref", "update")
+            names = ("sample", "reward", "ref", "teacher", "update")
             split = "|".join(
                 f"{name} {t:.1f}"
                 for name, t in zip(names, times, strict=True)
-                if t is not None and (t > 0 or name != "ref")  # no reference pass at beta = 0
+                # no reference pass at beta = 0, no teacher without one
+                if t is not None and (t > 0 or name not in ("ref", "teacher"))
             )
             parts.append(f"s={sum(t for t in times if t is not None):.1f} ({split})")
         return " ".join(parts)

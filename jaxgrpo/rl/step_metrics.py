@@ -4,6 +4,7 @@ Key names (the logger's progress bar and dead-run check read the first group):
 
     reward/mean, reward/std, kl/mean, completion/truncated_frac,
     time/{sampling,rewards,reference,update}   seconds per phase (reference: the scoring passes)
+    time/teacher                seconds of the teacher's scoring pass (runs with a teacher)
     reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
     reward/<fn>/failed_frac     fraction of samples the function could not score (raised/None)
     strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.grading.accuracy of what the model
@@ -21,6 +22,8 @@ Key names (the logger's progress bar and dead-run check read the first group):
     tokens_per_s                generated tokens per second of sampling
     agent/{tool_calls,turns,truncated_results,failed,failed_frac}, agent/failed/<kind>,
     agent/{model,tool}_tokens   episodes with tools (`agent_metrics`), per episode
+    teacher/reverse_kl{,_correct,_incorrect}   per-token reverse KL to the teacher
+                                (`teacher_metrics`); distill_reverse_kl: the update's value
     flops/step_est, flops/tflops_per_s   model FLOPs of the step (2 x params per token forward,
                                 6 x forward+backward; attention ignored) and their rate
 """
@@ -132,6 +135,7 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
         m[f"completion/stop_{reason.name.lower()}_frac"] = _mean(r.stop_reason == int(reason))
     if r.episodes is not None:
         m.update(agent_metrics(r.episodes, r.mask.sum(axis=1), r.trained_mask.sum(axis=1)))
+    m.update(extra.get("teacher", {}))
     if "kl_in_reward" in extra:
         m["kl/in_reward_mean"] = _mean(extra["kl_in_reward"])
     m.update(extra["adv_metrics"])
@@ -139,6 +143,23 @@ def step_metrics(r: Rollout, extra: dict, update: dict, seconds: dict) -> dict[s
     m.setdefault("kl/mean", 0.0)
     m.update({f"time/{k}": v for k, v in seconds.items()})
     m["tokens_per_s"] = float(r.trained_mask.sum()) / max(seconds.get("sampling", 0.0), 1e-9)
+    return m
+
+
+def teacher_metrics(
+    behaviour_RT: np.ndarray, teacher_RT: np.ndarray, trained_RT: np.ndarray, correct_R
+) -> dict[str, float]:
+    """The per-token reverse KL to the teacher, ``log pi_student - log pi_teacher`` on the
+    student's sampled ids (the model's own: tool results excluded): its mean over tokens, and
+    the mean of each completion's token mean over correct and incorrect completions."""
+    w_RT = np.asarray(trained_RT, np.float64)
+    kl_RT = np.where(w_RT > 0, np.asarray(behaviour_RT, np.float64) - teacher_RT, 0.0)
+    per_R = kl_RT.sum(axis=1) / np.maximum(w_RT.sum(axis=1), 1.0)
+    m = {"teacher/reverse_kl": float(kl_RT.sum() / max(w_RT.sum(), 1.0))}
+    if correct_R is not None:
+        correct_R = np.asarray(correct_R, bool)
+        m["teacher/reverse_kl_correct"] = _mean(per_R[correct_R])
+        m["teacher/reverse_kl_incorrect"] = _mean(per_R[~correct_R])
     return m
 
 
@@ -153,15 +174,24 @@ def agent_metrics(episodes: Sequence[Any], lengths, model_tokens) -> dict:
     return m
 
 
-def flop_metrics(n_params: int, r: Rollout, fwd_passes: int, train_passes: int, seconds: float):
+def flop_metrics(
+    n_params: int,
+    r: Rollout,
+    fwd_passes: int,
+    train_passes: int,
+    seconds: float,
+    teacher_params: int = 0,
+):
     """Estimated model FLOPs of a step: sampling, `fwd_passes` scoring-only passes (reference,
-    old policy) and `train_passes` forward+backward passes, all over the prompt once per group
-    (prefix sharing) plus every completion token."""
+    old policy), `train_passes` forward+backward passes and a teacher's scoring pass (of
+    `teacher_params`), all over the prompt once per group (prefix sharing) plus every
+    completion token."""
     prompt_tokens = float(r.prompt_mask.sum())
     completion_tokens = float(r.mask.sum())
     scored = prompt_tokens + completion_tokens
     flops = 2.0 * n_params * scored  # sampling: prefill + decode
     flops += (2.0 * fwd_passes + 6.0 * train_passes) * n_params * scored
+    flops += 2.0 * teacher_params * scored
     return {"flops/step_est": flops, "flops/tflops_per_s": flops / max(seconds, 1e-9) / 1e12}
 
 

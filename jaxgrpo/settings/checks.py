@@ -254,13 +254,29 @@ def _check_agent(cfg: ConfigDict) -> None:
     _require(ok, "agent.environment_reward_weight", "must be >= 0 (0 = not used)", w)
 
 
-def _check_source(source: str) -> None:
+def _check_teacher(cfg: ConfigDict) -> None:
+    """A teacher is set exactly when something uses it; its tokenizer is checked on load."""
+    t = cfg.teacher
+    c = t.distill_coef
+    _require(math.isfinite(c) and c >= 0, "teacher.distill_coef", "must be >= 0 (0 = off)", c)
+    used = c > 0 or t.as_reference
+    msg = "is set, but neither teacher.distill_coef > 0 nor teacher.as_reference uses it"
+    _require(not t.source or used, "teacher.source", msg, t.source)
+    msg = "needs teacher.source (the teacher to distil from or to stay close to)"
+    _require(bool(t.source) or not used, "teacher.source", msg, t.source)
+    msg = "needs rl.beta > 0 (the KL penalty's weight toward the teacher)"
+    _require(not t.as_reference or cfg.rl.beta > 0, "teacher.as_reference", msg, t.as_reference)
+    if t.source:
+        _check_source(t.source, "teacher.source")
+
+
+def _check_source(source: str, key: str = "model.source") -> None:
     """``random:<name>`` must name a known architecture (other sources are checked on load)."""
     if source.startswith(presets.RANDOM_PREFIX):
         name = source.removeprefix(presets.RANDOM_PREFIX)
         known = ", ".join(presets.ARCHITECTURES)
         ok = name in presets.ARCHITECTURES
-        _require(ok, "model.source", f"unknown architecture {name!r}; known: {known}", source)
+        _require(ok, key, f"unknown architecture {name!r}; known: {known}", source)
 
 
 def check_mesh(cfg: Any, num_devices: int | None) -> dict[str, int]:
@@ -326,3 +342,4 @@ def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:
     _require(samples >= 0, "logging.samples_every", "must be >= 0", samples)
     _check_eval(cfg)
     _check_agent(cfg)
+    _check_teacher(cfg)

@@ -216,6 +216,21 @@ class AgentConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class TeacherConfig:
+    """A frozen second model scoring the policy's tokens (see configs/base.py): the
+    distillation term's coefficient, and whether the KL penalty targets it."""
+
+    source: str = ""
+    distill_coef: float = 0.0
+    as_reference: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """Whether a run loads the teacher and scores its rollouts with it."""
+        return bool(self.source) and (self.distill_coef > 0 or self.as_reference)
+
+
+@dataclasses.dataclass(frozen=True)
 class TrainConfig:
     """A whole run, frozen. ``to_dict()`` is the JSON snapshot stored with checkpoints."""
 
@@ -234,6 +249,7 @@ class TrainConfig:
     logging: LoggingConfig
     eval: EvalConfig
     agent: AgentConfig
+    teacher: TeacherConfig = TeacherConfig()
 
     def to_dict(self) -> dict[str, Any]:
         return _jsonable(dataclasses.asdict(self))
@@ -300,6 +316,9 @@ def to_train_config(cfg: ConfigDict, num_devices: int | None = None) -> TrainCon
             | {"environments": dict(d["agent"]["environments"])}
             | {"tool_timeout_s": float(d["agent"]["tool_timeout_s"])}
             | {"environment_reward_weight": float(d["agent"]["environment_reward_weight"])}
+        ),
+        teacher=TeacherConfig(
+            **d["teacher"] | {"distill_coef": float(d["teacher"]["distill_coef"])}
         ),
     )
 

@@ -34,7 +34,15 @@ CLIPS = {
 TORCH_DTYPE = {"float64": torch.float64, "float32": torch.float32}
 # The keyword arguments of the torch reference that `policy_loss` takes per call; the others
 # are the `Objective`'s.
-PER_CALL = ("logits", "temperature", "entropy", "is_weights", "num_tokens", "num_sequences")
+PER_CALL = (
+    "logits",
+    "temperature",
+    "entropy",
+    "is_weights",
+    "teacher_logp",
+    "num_tokens",
+    "num_sequences",
+)
 
 
 def _policy_loss(logp, old_logp, ref_logp, advantages, mask, **kw):
@@ -57,7 +65,7 @@ def _compare(batch, dtype, what, with_logits=False, **kw):
     names = ("old_logp", "ref_logp", "advantages")
     jx = {k: jnp.asarray(getattr(batch, k), dtype) for k in names}
     tt = {k: torch.tensor(getattr(batch, k), dtype=TORCH_DTYPE[dtype]) for k in names}
-    for extra in ("entropy", "is_weights"):
+    for extra in ("entropy", "is_weights", "teacher_logp"):
         if kw.pop(extra, False):
             jx[extra] = jnp.asarray(getattr(batch, extra), dtype)
             tt[extra] = torch.tensor(getattr(batch, extra), dtype=TORCH_DTYPE[dtype])
@@ -131,11 +139,13 @@ def test_separately_chosen_parts_and_options_match_torch(dtype):
 
 
 def _compare_none(batch, dtype, what, **kw):
-    """Like `_compare` but with an input passed as None to both implementations."""
+    """Like `_compare` but with an input passed as None to both implementations (and the
+    teacher's log-probs given, with ``teacher_logp=True``)."""
     for key in ("ref_logp", "old_logp"):
         if key in kw:
             setattr(batch, key, None)
             kw.pop(key)
+    teacher = kw.pop("teacher_logp", False)
     jx = {
         k: None if getattr(batch, k) is None else jnp.asarray(getattr(batch, k), dtype)
         for k in ("old_logp", "ref_logp", "advantages")
@@ -144,6 +154,9 @@ def _compare_none(batch, dtype, what, **kw):
         k: None if getattr(batch, k) is None else torch.tensor(getattr(batch, k))
         for k in ("old_logp", "ref_logp", "advantages")
     }
+    if teacher:
+        jx["teacher_logp"] = jnp.asarray(batch.teacher_logp, dtype)
+        tt["teacher_logp"] = torch.tensor(batch.teacher_logp)
     tt = {k: v if v is None else v.to(TORCH_DTYPE[dtype]) for k, v in tt.items()}
     fn = lambda lp: _policy_loss(lp, mask=jnp.asarray(batch.mask), **jx, **kw)
     (loss, _), g = jax.value_and_grad(fn, has_aux=True)(jnp.asarray(batch.logp, dtype))
@@ -152,6 +165,48 @@ def _compare_none(batch, dtype, what, **kw):
     loss_t.backward()
     _close(loss, loss_t.detach(), RTOL[dtype], f"{what}: loss")
     _close(g, logp_t.grad, RTOL[dtype], f"{what}: grad")
+
+
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_distillation_term_matches_torch_in_every_preset(loss_type, dtype):
+    """The teacher's per-token term in the advantage: loss, gradient and the reverse-KL metric
+    against the torch reference, off-policy (old log-probs given) and on-policy, alone (no
+    sequence advantage) and with one, beside a KL term."""
+    batch = random_batch(seed=21 + LOSS_TYPES.index(loss_type))
+    with _x64(dtype), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for coef, clip in itertools.product((0.5, 2.0), ("symmetric", "dual_clip")):
+            what = f"{loss_type}/distill {coef}/{clip}/{dtype}"
+            kw = dict(CLIPS[clip], loss_type=loss_type, beta=0.04, distill_coef=coef)
+            _compare(batch, dtype, what, teacher_logp=True, **kw)
+        alone = dataclasses.replace(batch, advantages=np.zeros_like(batch.advantages))
+        _compare(alone, dtype, f"{loss_type}/distillation only", teacher_logp=True,
+                 loss_type=loss_type, distill_coef=1.0)  # fmt: skip
+        for coef in (0.0, 1.0):
+            _compare_none(
+                random_batch(seed=3), dtype, f"{loss_type}/on-policy distill {coef}",
+                old_logp=None, teacher_logp=True, loss_type=loss_type, distill_coef=coef,
+            )  # fmt: skip
+
+
+def test_distillation_gradient_is_the_teachers_log_ratio_on_policy():
+    """On-policy, with no sequence advantage, the token-mean loss's gradient wrt logp is
+    ``-coef * (teacher_logp - logp) / num_tokens`` on every valid token: the reverse-KL
+    policy gradient, derived by hand."""
+    b = random_batch(seed=4)
+    objective = Objective.preset("dapo", distill_coef=0.7)
+    mask = jnp.asarray(b.mask)
+
+    def loss(logp):
+        zero = jnp.zeros(b.advantages.shape)
+        return policy_loss(logp, None, None, zero, mask, objective, teacher_logp=b.teacher_logp)
+
+    (_, metrics), g = jax.value_and_grad(loss, has_aux=True)(jnp.asarray(b.logp, jnp.float32))
+    want = np.where(b.mask, -0.7 * (b.teacher_logp - b.logp) / b.mask.sum(), 0.0)
+    np.testing.assert_allclose(np.asarray(g), want, rtol=1e-5, atol=1e-7)
+    kl = (b.logp - b.teacher_logp)[b.mask].mean()
+    np.testing.assert_allclose(float(metrics["distill_reverse_kl"]), kl, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", ["float64", "float32"])

@@ -20,6 +20,7 @@ class LossBatch:
       entropy: ``[N, T]`` per-token entropies.
       logits: ``[N, T, V]`` logits.
       is_weights: ``[N, T]`` importance weights in ``(0, 2)``.
+      teacher_logp: ``[N, T]`` a teacher's log-probs (garbage outside ``mask``).
     """
 
     logp: np.ndarray
@@ -30,6 +31,7 @@ class LossBatch:
     entropy: np.ndarray
     logits: np.ndarray
     is_weights: np.ndarray
+    teacher_logp: np.ndarray | None = None
 
 
 def random_batch(seed: int, n: int = 8, t: int = 9, v: int = 11) -> LossBatch:
@@ -47,7 +49,7 @@ def random_batch(seed: int, n: int = 8, t: int = 9, v: int = 11) -> LossBatch:
     garbage = ~mask
     for arr in (logp, old_logp, ref_logp):
         arr[garbage] = rng.normal(0.0, 4.0, int(garbage.sum()))
-    return LossBatch(
+    batch = LossBatch(
         logp=logp,
         old_logp=old_logp,
         ref_logp=ref_logp,
@@ -57,3 +59,7 @@ def random_batch(seed: int, n: int = 8, t: int = 9, v: int = 11) -> LossBatch:
         logits=rng.normal(0.0, 2.0, (n, t, v)),
         is_weights=rng.uniform(0.0, 2.0, (n, t)),
     )
+    batch.teacher_logp = np.where(
+        mask, logp + rng.normal(0.0, 1.0, (n, t)), rng.normal(0, 4, (n, t))
+    )
+    return batch

@@ -108,10 +108,15 @@ def policy_loss(
     entropy=None,
     top_entropy_frac=None,
     is_weights=None,
+    teacher_logp=None,
+    distill_coef=0.0,
     num_tokens=None,
     num_sequences=None,
 ):
-    """Reference loss; inputs are torch tensors, ``mask`` bool. Returns ``(loss, parts)``."""
+    """Reference loss; inputs are torch tensors, ``mask`` bool. Returns ``(loss, parts)``.
+
+    With ``teacher_logp``, every token's advantage is the sequence's plus
+    ``distill_coef * (teacher_logp - behaviour_logp)``, a constant (detached)."""
     sur, agg_name, level = PRESETS[loss_type]
     sur, agg_name, level = surrogate or sur, aggregation or agg_name, ratio_level or level
     n_tok = int(mask.sum()) if num_tokens is None else num_tokens
@@ -120,6 +125,10 @@ def policy_loss(
     adv = advantages.unsqueeze(1)
     if old_logp is None:
         old_logp = logp.detach()
+    reverse_kl = None
+    if teacher_logp is not None:
+        reverse_kl = (old_logp - teacher_logp).detach()
+        adv = adv + distill_coef * (teacher_logp - old_logp).detach()
     ratio = _ratio(logp, old_logp, mask, level)
     if sur == "clip":
         coef_1 = ratio if ratio_cap is None else torch.clamp(ratio, max=ratio_cap)
@@ -139,6 +148,8 @@ def policy_loss(
         thr = torch.quantile(ent.detach()[mask], 1 - top_entropy_frac)
         per_token = per_token * (ent.detach() >= thr).to(per_token.dtype)
     parts = {"policy_loss": _aggregate(per_token, mask, agg_name, n_tok, n_seq, max_len)}
+    if reverse_kl is not None:
+        parts["distill_reverse_kl"] = reverse_kl[mask].mean()
     loss = parts["policy_loss"]
     if ref_logp is not None:
         kl = kl_per_token(logp, ref_logp, kl_estimator)
