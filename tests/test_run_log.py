@@ -90,6 +90,12 @@ def test_progress_text_and_dead_run_warnings(capsys):
     out = capsys.readouterr()
     assert "solved" in out.out and "does not move" not in out.out + out.err
 
+    jlog._WARNED.clear()
+    distilling = {"reward/std": 0.0, "strict_accuracy": 0.0, "distill_reverse_kl": 0.4}
+    assert jlog.check_dead_run(5, distilling) == [], "the teacher's term is a signal"
+    text = jlog.ProgressBar.describe({"time/sampling": 2.0, "time/teacher": 0.5})
+    assert text == "s=2.5 (sample 2.0|teacher 0.5)"
+
 
 def test_wandb_enabled_but_not_installed_warns_and_keeps_logging(tmp_path, capsys):
     if importlib.util.find_spec("wandb") is not None:

@@ -59,7 +59,8 @@ def check_dead_run(step: int, metrics: Mapping[str, Any]) -> list[str]:
 
     A step is dead when every completion was truncated (the model never stops), or when every
     reward in the batch is identical (all advantages are 0, so nothing is learned) without every
-    completion being correct; a batch where every completion is correct is reported as solved.
+    completion being correct and without a distillation term (whose per-token advantages do not
+    come from the rewards); a batch where every completion is correct is reported as solved.
 
     Returns:
       The keys of the warnings that fired at this call.
@@ -74,7 +75,9 @@ def check_dead_run(step: int, metrics: Mapping[str, Any]) -> list[str]:
         if warn_once("dead_run/truncated", msg):
             fired.append("dead_run/truncated")
     reward_std = metrics.get(REWARD_STD)
-    if reward_std is not None and float(reward_std) == 0.0:
+    # A distillation term gives every token an advantage of its own, whatever the rewards.
+    distilling = metrics.get("distill_reverse_kl") is not None
+    if reward_std is not None and float(reward_std) == 0.0 and not distilling:
         if metrics.get(ACCURACY) is not None and float(metrics[ACCURACY]) >= 1.0:
             # Every completion is correct: the batch is solved, which is success, not a dead run.
             if "dead_run/solved" not in _WARNED:
