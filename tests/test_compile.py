@@ -17,10 +17,11 @@ import pytest
 from flax import nnx
 
 from jaxgrpo.core import presets, sharding
+from jaxgrpo.models import source_config
 from jaxgrpo.models.tiny import tiny_model_config
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.planning import aot
+from jaxgrpo.planning import aot, memory
 from jaxgrpo.planning import compile as compile_cli
 from jaxgrpo.planning import hlo as hlo_text
 
@@ -332,3 +333,39 @@ def test_every_gsm8k_config_validates_on_64_chip_slices(slice_name):
         for section in ("model", "rl", "mesh"):
             assert getattr(cfg, section) == getattr(hard, section), (name, section)
         assert cfg.sampling.max_new_tokens == hard.sampling.max_new_tokens, name
+
+
+TEACHER = {"teacher.source": "random:SmolLM2-135M", "teacher.distill_coef": 1.0}
+
+
+def test_a_teacher_compiles_its_scoring_pass_and_its_weights_stay_resident():
+    """The teacher's pass is one more scoring program; its weights, sharded by the training
+    rules, sit on every chip while the policy's programs run, and the policy's state while
+    the teacher's runs."""
+    rep = compile_cli.compile_config("tiny", "cpu-8", TEACHER, only=("score", "update"))
+    names = [p["program"] for p in rep["programs"]]
+    assert names == ["score (ref/old)", "score (teacher)", "update"]
+    cfg = source_config("random:SmolLM2-135M")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    mesh = sharding.make_mesh(rep["facts"]["mesh"], jax.devices()[:8])
+    state = nnx.state(model)
+    shardings = sharding.param_shardings(state, mesh, sharding.TRAIN_RULES)
+    want = sum(
+        math.prod(s.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize
+        for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(shardings), strict=True)
+    )
+    teacher, update = _program(rep, "score (teacher)"), _program(rep, "update")
+    assert update["memory"]["resident"] == want
+    assert teacher["memory"]["arguments"] >= want and teacher["memory"]["resident"] > 0
+    assert teacher["flops"] > 10 * _program(rep, "score (ref/old)")["flops"]
+    second = rep["facts"]["second_models"]["teacher"]
+    assert second == {"source": "random:SmolLM2-135M", "params": memory.base_param_count(cfg)}
+    assert "teacher random:SmolLM2-135M (0.13 B, frozen)" in compile_cli.render(rep)
+
+
+def test_a_teacher_that_cannot_fit_is_refused_in_one_line_before_compiling(capsys):
+    over = ["--config.teacher.source=random:Llama-3.1-70B", "--config.teacher.distill_coef=1.0"]
+    code = compile_cli.main(["--config", "tiny", "--topology", "cpu-8", *over])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.count("\n") == 0, err
+    assert err.startswith("error: teacher.source: the teacher's weights") and "mesh.fsdp" in err

@@ -222,3 +222,29 @@ def test_launch_readme_fit_table_is_current(capsys):
     with open(path, encoding="utf-8") as f:
         readme = f.read()
     assert printed in readme, "rerun python -m jaxgrpo.memory --table into launch/README.md"
+
+
+def test_a_teacher_adds_its_frozen_weights_to_every_device():
+    """gsm8k_hard with an 8B teacher on v5e-64: the teacher's part is its parameter count in
+    the parameter dtype over fsdp x tensor, the total grows by exactly that, and the report
+    names it; without a teacher there is no such part."""
+    from jaxgrpo.core.presets import PRESETS
+    from jaxgrpo.settings.loading import load_config
+
+    p = PRESETS["v5e-64"]
+    over = {"model.source": "random:Llama-3.2-1B"}
+    teacher = {"teacher.source": "random:Llama-3.1-8B", "teacher.distill_coef": 1.0}
+    plain = load_config("gsm8k_hard", over)
+    cfg = load_config("gsm8k_hard", {**over, **teacher})
+    assert memory.second_models(plain) == {}
+    others = memory.second_models(cfg)
+    model_cfg, run = memory.from_train_config(cfg, 256)
+    with_teacher = memory.estimate(model_cfg, run, p.mesh, p.hbm_bytes, others)
+    without = memory.estimate(model_cfg, run, p.mesh, p.hbm_bytes)
+    shard = p.mesh["fsdp"] * p.mesh["tensor"]
+    n = memory.base_param_count(others["teacher"])
+    assert 8.0e9 < n < 8.1e9 and others["teacher"].lora is None
+    assert with_teacher["teacher"] == n * 2 / shard  # bfloat16, as the policy's weights
+    assert with_teacher["total"] == pytest.approx(without["total"] + with_teacher["teacher"])
+    text = memory_report.report(model_cfg, run, "v5e-64", others)
+    assert "teacher 8.030 B parameters (frozen)" in text and "| teacher |" in text

@@ -70,12 +70,32 @@ def topology_devices(preset: presets.Preset) -> list:
     return list(desc.devices)
 
 
-def abstract_learner(cfg: Any, mesh, model_cfg: ModelConfig) -> Learner:
-    """A ``Learner`` over an abstract, sharded model: its programs lower, nothing runs."""
+def abstract_model(model_cfg: ModelConfig, mesh) -> Transformer:
+    """A ``Transformer`` of abstract, sharded parameters (``nnx.eval_shape``): no weights."""
     model = nnx.eval_shape(lambda: Transformer(model_cfg, rngs=nnx.Rngs(0)))
     model.shard_ctx = sharding.ShardingCtx(mesh, sharding.TRAIN_RULES)
+    return model
+
+
+def abstract_learner(
+    cfg: Any, mesh, model_cfg: ModelConfig, others: dict[str, ModelConfig] | None = None
+) -> Learner:
+    """A ``Learner`` over an abstract, sharded model (and teacher, from ``others``,
+    ``memory.second_models``): its programs lower, nothing runs."""
+    others = others or {}
+    teacher = abstract_model(others["teacher"], mesh) if "teacher" in others else None
     tok, task = tiny_tokenizer(), SimpleNamespace(name="abstract")
-    return Learner(cfg, model, tok, task, None, mesh, agent=Agent.from_config(cfg.agent, tok))
+    agent = Agent.from_config(cfg.agent, tok)
+    return Learner(cfg, abstract_model(model_cfg, mesh), tok, task, None, mesh, agent, teacher)
+
+
+def per_chip_bytes(tree) -> float:
+    """Bytes one device holds of a tree of sharded arrays or ``jax.ShapeDtypeStruct``s."""
+    total = 0.0
+    for x in jax.tree.leaves(tree):
+        shard = x.sharding.shard_shape(x.shape)
+        total += math.prod(shard) * np.dtype(x.dtype).itemsize
+    return total
 
 
 def _abstract_like(x, sharding_):
@@ -97,6 +117,9 @@ class Program:
       loop_trips: trip count assumed for while loops XLA cannot count (the decode loop: T).
       oom: the compiler's message when it refused the program for exceeding the chip's
         memory (``compiled`` is then None).
+      resident_bytes: bytes per chip that stay on the device while it runs but are not its
+        arguments: a second model's weights beside the policy's programs, the policy's state
+        beside the second model's.
     """
 
     name: str
@@ -109,6 +132,7 @@ class Program:
     weight_bytes: float
     loop_trips: int = 1
     oom: str | None = None
+    resident_bytes: float = 0.0
 
 
 def _compile(name, jitted, args, calls, flops, weight_bytes, loop_trips=1, kwargs=None) -> Program:
@@ -258,6 +282,12 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
     if passes and want("score"):
         f = (flops.score(cfg, b, p, n, t),) * 2
         programs.append(_compile("score (ref/old)", step.logprobs, score, passes, f, w))
+    if step.teacher_logprobs is not None and want("score"):
+        teacher = step.teacher_model_cfg
+        f = (flops.score(teacher, b, p, n, t),) * 2
+        args = (*step.teacher_weights, *inputs, batch.packing, batch.shared_ids)
+        w_teacher = flops.weight_bytes(teacher) / d
+        programs.append(_compile("score (teacher)", step.teacher_logprobs, args, 1, f, w_teacher))
     if want("update"):
         u = step.micro_batches(batch)
         idx = jax.ShapeDtypeStruct(
@@ -270,7 +300,19 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         programs.append(_compile("update", step.update, args, calls, f, 3 * w))
     if want("eval"):
         programs += _sampler(learner, "eval", n, p, held_out.sampler_settings(learner), d)[0]
+    _count_resident(step, programs)
     return programs
+
+
+def _count_resident(step, programs: list[Program]) -> None:
+    """Sets each program's ``resident_bytes``: the teacher's weights stay on the chips while
+    the policy's programs run, and the policy's state and weights while the teacher's does."""
+    if step.teacher_weights is None:
+        return
+    teacher = per_chip_bytes(step.teacher_weights)
+    policy = per_chip_bytes((step.abstract_state(), step.frozen))
+    for program in programs:
+        program.resident_bytes = policy if program.name == "score (teacher)" else teacher
 
 
 def compile_step(
@@ -294,7 +336,8 @@ def compile_step(
     shape = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor")}
     mesh = sharding.make_mesh(shape, devices)
     model_cfg = model_config(cfg.model, platform)
-    learner = abstract_learner(cfg, mesh, model_cfg)
+    others = memory.second_models(cfg, platform)
+    learner = abstract_learner(cfg, mesh, model_cfg, others)
     tool_tokens = tool_prompt_tokens(learner.agent)
     p, t = bucket_length(prompt_len + tool_tokens), cfg.sampling.max_new_tokens
     programs = _step_programs(learner, p, t, only)
@@ -318,5 +361,9 @@ def compile_step(
         remat=model_cfg.remat,
         remat_policy=model_cfg.remat_policy,
         layer_loop=model_cfg.layout.layer_loop,
+        second_models={
+            name: {"source": cfg.teacher.source, "params": memory.base_param_count(m)}
+            for name, m in others.items()
+        },
     )
     return programs, facts

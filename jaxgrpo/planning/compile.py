@@ -46,7 +46,7 @@ def _set_devices(topology: str) -> None:
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
-FIELDS = ("arguments", "outputs", "temporaries", "generated_code", "aliased", "total")
+FIELDS = ("arguments", "outputs", "temporaries", "generated_code", "aliased", "resident", "total")
 
 
 def _memory(compiled) -> dict[str, int]:
@@ -102,6 +102,10 @@ def _program_row(p, cfg: Any, facts: dict, chip) -> dict[str, Any]:
         mem = _memory(p.compiled)
         coll = hlo.collectives(p.compiled.as_text(), p.loop_trips)
         xla_flops = float(p.compiled.cost_analysis().get("flops", 0.0))
+    # What other programs keep on the chips meanwhile (a second model's weights, or the
+    # policy's state beside the second model's program).
+    mem["resident"] = int(p.resident_bytes)
+    mem["total"] += mem["resident"]
     per_chip = p.flops / facts["devices"]
     terms = dict(
         compute=per_chip / chip.bf16_flops,
@@ -165,16 +169,20 @@ def _tools_text(facts: dict) -> str:
 def render(rep: dict) -> str:
     """The human-readable table of a report."""
     f, s = rep["facts"], rep["step"]
+    others = "".join(
+        f", {name} {m['source']} ({m['params'] / 1e9:.2f} B, frozen)"
+        for name, m in f.get("second_models", {}).items()
+    )
     lines = [
-        f"{f['model']} ({f['tuning']}, {f['params'] / 1e9:.2f} B) on {f['topology']}: "
+        f"{f['model']} ({f['tuning']}, {f['params'] / 1e9:.2f} B){others} on {f['topology']}: "
         f"{f['devices']} devices, {f['hosts']} hosts, mesh {f['mesh']}, "
         f"P={f['prompt_len']}{_tools_text(f)}, T={f['max_new_tokens']}, "
         f"sampler rules: {f['sample_rules']}",
         "",
-        "| program | calls | args GiB | out GiB | temp GiB | code MiB | alias GiB | total GiB "
-        "| fits | compile s | TFLOP/chip | est. s | collectives (per call) "
+        "| program | calls | args GiB | out GiB | temp GiB | code MiB | alias GiB | resident GiB "
+        "| total GiB | fits | compile s | TFLOP/chip | est. s | collectives (per call) "
         "| decode-step collectives |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|",
     ]
     for r in rep["programs"]:
         m = r["memory"]
@@ -184,7 +192,8 @@ def render(rep: dict) -> str:
         verdict = "yes" if r["fits"] else "NO: " + r["suggestion"]
         lines.append(
             f"| {r['program']} | {r['calls']} | {' | '.join(gib)} | {code} | "
-            f"{_gib(m['aliased'])} | {_gib(m['total'])} | {verdict} | {r['compile_s']:.1f} | "
+            f"{_gib(m['aliased'])} | {_gib(m['resident'])} | {_gib(m['total'])} | {verdict} | "
+            f"{r['compile_s']:.1f} | "
             f"{r['flops_per_chip'] / 1e12:.2f} | {r['estimate_s']:.3f} | "
             f"{_collectives_text(r['collectives'])} | {body} |"
         )
@@ -224,9 +233,36 @@ def compile_config(
     if any(k.startswith("mesh.") for k in overrides):
         mesh["mesh.fsdp"] = -1  # the overrides reshape the mesh; fsdp takes the rest
     cfg = load_config(name, {**mesh, **overrides})
-    resolve_mesh_shape(cfg, preset.devices)  # the batch layout check, with devices
+    sizes = resolve_mesh_shape(cfg, preset.devices)  # the batch layout check, with devices
+    check_second_models(cfg, sizes, preset, prompt_len)
     programs, facts = aot.compile_step(cfg, preset, prompt_len, only)
     return report(cfg, programs, facts, preset)
+
+
+SECOND_MODEL_KEYS = {"teacher": "teacher.source"}  # the config key of each second model
+
+
+def check_second_models(cfg: Any, mesh: dict[str, int], preset, prompt_len: int) -> None:
+    """Refuses, in one line naming the key and the knobs, a second model (teacher, reward
+    model) whose weights do not fit beside the policy's persistent state on the slice's
+    chips (``memory.estimate``), before anything compiles."""
+    from jaxgrpo.planning import memory
+
+    model_cfg, run = memory.from_train_config(cfg, prompt_len)
+    others = memory.second_models(cfg)
+    est = memory.estimate(model_cfg, run, mesh, preset.hbm_bytes, others)
+    static = sum(est[k] for k in ("params", "grads", "opt_state", "ref_params", *others))
+    usable = 0.9 * preset.hbm_bytes
+    for name in others:
+        if static > usable:
+            key = SECOND_MODEL_KEYS.get(name, name)
+            bf16 = ", set model.param_dtype='bfloat16'" * (cfg.model.param_dtype == "float32")
+            raise ValueError(
+                f"{key}: the {name}'s weights ({_gib(est[name])} GiB per chip) and the policy's "
+                f"state ({_gib(static - est[name])} GiB) exceed {_gib(usable)} GiB per chip on "
+                f"{preset.name} (mesh {mesh}): raise mesh.fsdp or mesh.tensor{bf16}, or use a "
+                "larger slice"
+            )
 
 
 def table_rows(reports: list[dict]) -> str:

@@ -29,6 +29,10 @@ The estimate is arithmetic on the model's shapes, with no model built:
   update also holds the embedding, the LM head and two layers' weights gathered whole over
   fsdp.
 
+* second models (a distillation teacher, reward models): their frozen weights in the parameter
+  dtype, split over ``fsdp * tensor`` by the same rules; their scoring passes keep no
+  activations for a backward pass, so they add to the resident weights only.
+
 Parameters, optimizer state and cache are checked against real arrays by the tests; the
 activations are an order-of-magnitude figure (XLA fuses and reuses buffers), checked against
 XLA's own buffer assignment within a stated factor. For the compiler's own per-program figures
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from typing import Any
 
 from jaxgrpo.core.sharding import sampling_layout
@@ -149,6 +154,7 @@ def estimate(
     run: RunShape,
     mesh: dict[str, int] | None = None,
     hbm_bytes: float | None = None,
+    others: Mapping[str, ModelConfig] | None = None,
 ) -> dict[str, float]:
     """Bytes per device of each part of a step (an even split over the mesh).
 
@@ -158,13 +164,14 @@ def estimate(
       mesh: ``{"data", "fsdp", "tensor"}`` sizes; None = one device.
       hbm_bytes: memory per device, which decides the sampler's weight layout
         (``sharding.sampling_rules``); None = replicated over data x fsdp.
+      others: frozen second models by name (``second_models``): a part each.
 
     Returns:
       ``params`` (frozen + trainable), ``grads``, ``opt_state``, ``ref_params``, ``kv_cache``,
       ``sample_weights`` (the decode program's copies of the weights: resharded for sampling
       and laid out per layer, see ``jaxgrpo.sampling.generate``), ``activations`` and
-      ``total`` = the first four + max(kv_cache + sample_weights, activations) (sampling and
-      the update do not overlap).
+      ``total`` = the first four and the second models + max(kv_cache + sample_weights,
+      activations) (sampling and the update do not overlap).
     """
     mesh = {"data": 1, "fsdp": 1, "tensor": 1, **(mesh or {})}
     shard = mesh["fsdp"] * mesh["tensor"]
@@ -195,6 +202,9 @@ def estimate(
     if mesh["fsdp"] > 1:  # the update gathers fsdp-sharded weights whole over fsdp
         out["activations"] += _gathered_weights(cfg) * cb / mesh["tensor"]
     static = out["params"] + out["grads"] + out["opt_state"] + out["ref_params"]
+    for name, other in (others or {}).items():
+        out[name] = base_param_count(other) * _BYTES[other.param_dtype] / shard
+        static += out[name]
     out["total"] = static + max(out["kv_cache"] + out["sample_weights"], out["activations"])
     return out
 
@@ -246,6 +256,16 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
     block = head_chunk(logit_rows, t, min_rows=cfg.layout.head_chunk_rows)
     logits = 3.0 * logit_rows * block * cfg.vocab_size / tensor * 4
     return kept + logits
+
+
+def second_models(cfg: Any, platform: str = "tpu") -> dict[str, ModelConfig]:
+    """The frozen second models of a ``TrainConfig`` that live on its devices, by the name of
+    their memory part: ``teacher`` (``cfg.teacher``), in the policy's dtypes."""
+    out = {}
+    if cfg.teacher.enabled:
+        frozen = dataclasses.replace(cfg.model, lora_rank=0)
+        out["teacher"] = run_model_config(frozen, platform, source=cfg.teacher.source)
+    return out
 
 
 def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):

@@ -23,8 +23,14 @@ def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
 
 
-def report(cfg: ModelConfig, run: memory.RunShape, preset: str | None) -> str:
-    """A Markdown table of ``estimate`` for one run (on a preset's mesh, or one device).
+def report(
+    cfg: ModelConfig,
+    run: memory.RunShape,
+    preset: str | None,
+    second: dict[str, ModelConfig] | None = None,
+) -> str:
+    """A Markdown table of ``estimate`` for one run (on a preset's mesh, or one device), with
+    a line for each frozen second model (``memory.second_models``).
 
     On a preset whose data x fsdp does not divide the run's micro-batch, the estimate is for
     the largest ``grad_accum`` that does (``fitting_grad_accum``), and the report says so.
@@ -45,12 +51,16 @@ def report(cfg: ModelConfig, run: memory.RunShape, preset: str | None) -> str:
                 f"data x fsdp = {shards} devices: estimated with --config.rl.grad_accum={g}\n\n"
             )
             run = run.with_grad_accum(g)
-    est = memory.estimate(cfg, run, p.mesh if p else None, p.hbm_bytes if p else None)
+    est = memory.estimate(cfg, run, p.mesh if p else None, p.hbm_bytes if p else None, second)
     where = f"{p.name} mesh {p.mesh}" if p else "one device"
+    others = "".join(
+        f", {name} {memory.base_param_count(m) / 1e9:.3f} B parameters (frozen)"
+        for name, m in (second or {}).items()
+    )
     lines = [
         f"{note}Memory per device, {where}: {memory.base_param_count(cfg) / 1e9:.3f} B base "
-        f"parameters, {memory.lora_param_count(cfg) / 1e6:.2f} M LoRA parameters, grad_accum "
-        f"{run.grad_accum}",
+        f"parameters, {memory.lora_param_count(cfg) / 1e6:.2f} M LoRA parameters{others}, "
+        f"grad_accum {run.grad_accum}",
         "",
         "| part | GiB |",
         "|---|---:|",
@@ -135,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--config (or --table) is required")
         cfg = load_config(args.config, overrides)
         model_cfg, run = memory.from_train_config(cfg, args.prompt_len, args.model)
-        print(report(model_cfg, run, args.preset))
+        print(report(model_cfg, run, args.preset, memory.second_models(cfg)))
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
