@@ -11,8 +11,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxgrpo.models import load_model
+from jaxgrpo.models.aliases import smollm2_path
 from jaxgrpo.models.construct import random_model
-from jaxgrpo.run.build import smollm2_path
 
 
 def main():

@@ -31,7 +31,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jaxgrpo.models import load_model  # noqa: E402
-from jaxgrpo.run.build import smollm2_path  # noqa: E402
+from jaxgrpo.models.aliases import smollm2_path  # noqa: E402
 from jaxgrpo.sampling import SamplerSettings, sampler_programs  # noqa: E402
 
 CHATS = [

@@ -62,7 +62,7 @@ QWEN25_05B = dict(  # Qwen/Qwen2.5-0.5B-Instruct config.json
 
 def load_models(name: str):
     """(our model, HF torch model, tokenizer) holding the same float32 weights."""
-    from jaxgrpo.run.build import smollm2_path
+    from jaxgrpo.models.aliases import smollm2_path
 
     gguf = smollm2_path()
     if name == "smollm2":

@@ -77,8 +77,8 @@ def export_model(name: str, out_dir: str) -> str:
     """`name` as a float32 Hugging Face directory (written once): the embedded SmolLM2 GGUF, or
     random weights of an architecture's shape with SmolLM2's tokenizer and chat template."""
     from jaxgrpo.models import load_model
+    from jaxgrpo.models.aliases import smollm2_path
     from jaxgrpo.models.export import export_hf
-    from jaxgrpo.run.build import smollm2_path
 
     if os.path.exists(os.path.join(out_dir, "config.json")):
         return out_dir
@@ -355,7 +355,7 @@ SEPARATOR = "|---" * (HEADER.count(" | ") + 1) + "|"
 def _mean_prompt_len(task: str, prompts: int) -> float:
     """Mean tokens of the workload's chat prompts (SmolLM2's tokenizer, as both models use)."""
     from jaxgrpo.models import load_model
-    from jaxgrpo.run.build import smollm2_path
+    from jaxgrpo.models.aliases import smollm2_path
 
     tokenizer = load_model(smollm2_path(), dtype="float32")[1]
     chats = [ex["messages"] for ex in examples(task, prompts)]

@@ -39,7 +39,7 @@ from jaxgrpo.data import get_task  # noqa: E402
 from jaxgrpo.eval.completions import mesh_sampler  # noqa: E402
 from jaxgrpo.grading.accuracy import strict_correct  # noqa: E402
 from jaxgrpo.models import load_model  # noqa: E402
-from jaxgrpo.run.build import smollm2_path  # noqa: E402
+from jaxgrpo.models.aliases import smollm2_path  # noqa: E402
 from jaxgrpo.sampling import SamplerSettings  # noqa: E402
 
 EXAMPLE_QUESTION = (

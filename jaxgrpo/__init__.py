@@ -7,7 +7,7 @@ Nothing runs at import time: the public entry points are imported lazily so that
 __version__ = "0.1.0"
 
 _LAZY = {
-    "load_model": ("jaxgrpo.models", "load_model"),
+    "load_model": ("jaxgrpo.run.build", "load_source"),  # every model source, run dirs too
     "generate": ("jaxgrpo.sampling", "generate"),
     "train": ("jaxgrpo.run.train", "run"),
 }

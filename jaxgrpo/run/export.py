@@ -27,13 +27,11 @@ from etils import epath
 
 from jaxgrpo.core.errors import UserError
 from jaxgrpo.core.host import prepare_cli
+from jaxgrpo.models.aliases import MODEL_ALIASES
 from jaxgrpo.models.export import export_hf, export_peft
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.run.build import build_mesh, load_policy, restore_params
-from jaxgrpo.settings.loading import run_config
-
-# Model sources that are not Hugging Face checkpoints (jaxgrpo.run.build.build_model's aliases).
-_NON_HF_SOURCES = ("tiny", "smollm2")
+from jaxgrpo.settings.loading import is_run_dir, run_config
 
 
 class ExportError(UserError):
@@ -60,8 +58,8 @@ def checkpoint_step(ckpt: Checkpointer, run_dir: str, step: int | None) -> int:
 
 def hf_base(source: str) -> str | None:
     """``source`` as a ``from_pretrained`` argument (local directory or hub id), or None when
-    it is not a Hugging Face checkpoint (a GGUF file, the ``tiny`` or ``smollm2`` alias)."""
-    if source in _NON_HF_SOURCES or source.endswith(".gguf"):
+    it is not a Hugging Face checkpoint (a GGUF file, an alias, a run directory)."""
+    if source in MODEL_ALIASES or source.endswith(".gguf") or is_run_dir(source):
         return None
     return os.path.abspath(source) if os.path.isdir(source) else source
 

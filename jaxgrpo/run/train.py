@@ -30,6 +30,7 @@ from ml_collections import config_flags
 
 from jaxgrpo.core.errors import ConfigError, one_line_errors
 from jaxgrpo.core.host import cache_off_why, prepare_cli
+from jaxgrpo.models.aliases import MODEL_ALIASES
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.run_log import (
     MetricsLogger,
@@ -42,7 +43,7 @@ from jaxgrpo.rl.run_log import (
     warn_once,
 )
 from jaxgrpo.run import plot
-from jaxgrpo.run.build import MODEL_ALIASES, RunParts, build_parts, start_distributed
+from jaxgrpo.run.build import RunParts, build_parts, start_distributed
 from jaxgrpo.run.runtime import DataStream, RunFiles, StopRequest, fault_point
 from jaxgrpo.settings import loading
 from jaxgrpo.settings.checks import unknown_key_error

@@ -3,7 +3,8 @@
 ``load_config`` (the Python API) and the CLIs' ``--config FILE --config.a.b=v`` go through
 here: the file's ``get_config()`` is locked, overrides are set key by key (errors name the key),
 and ``schema.to_train_config`` validates and freezes the result. ``run_config`` also reads a
-run directory's ``config.json`` snapshot back.
+run directory's ``config.json`` snapshot back, and ``is_run_dir`` tells such a directory from a
+model checkpoint's, whose ``config.json`` is a Hugging Face one.
 """
 
 from __future__ import annotations
@@ -156,6 +157,19 @@ def run_config(
     cfg.lock()
     apply_overrides(cfg, overrides)
     return to_train_config(cfg)
+
+
+def is_run_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` (a local path or ``gs://``) is a run directory: its ``config.json`` is
+    a run's snapshot (``model`` and ``rl`` sections), not a Hugging Face model's config."""
+    config = epath.Path(path) / "config.json"
+    if not config.exists():
+        return False
+    try:
+        snapshot = json.loads(config.read_text())
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(snapshot, dict) and {"model", "rl"} <= snapshot.keys()
 
 
 def _assign(node: ConfigDict, values: Mapping[str, Any]) -> None:
