@@ -9,6 +9,9 @@ The tokenizer comes from a Hugging Face directory (``tokenizer.json`` plus the c
 ``tokenizer_config.json`` / ``chat_template.jinja``) or is rebuilt from a GGUF file's metadata by
 ``hf_tokenizer_from_gguf_metadata``, which reproduces llama.cpp's pre-tokenizer for the file's
 ``tokenizer.ggml.pre`` type.
+
+``check_same_tokenizer`` refuses a second model (a teacher) whose ids mean other tokens than
+the policy's.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.models.gguf import GGUFCheckpoint
 
 # Tokens that end an assistant turn in the chat formats we support; each one present in the
@@ -314,3 +318,50 @@ class Tokenizer:
     def save_pretrained(self, out_dir: str | os.PathLike) -> None:
         """Write tokenizer.json, tokenizer_config.json and the chat template to ``out_dir``."""
         self.hf.save_pretrained(os.fspath(out_dir))
+
+
+def tokenizer_difference(a: Tokenizer, b: Tokenizer) -> str | None:
+    """How ``b``'s ids differ from ``a``'s (the first differing id, or a special id), or None
+    when every id names the same token and eos, bos and pad are the same ids."""
+    tokens_a = {i: t for t, i in a.hf.get_vocab().items()}
+    tokens_b = {i: t for t, i in b.hf.get_vocab().items()}
+    if tokens_a != tokens_b:
+        i = min(i for i in tokens_a.keys() | tokens_b.keys() if tokens_a.get(i) != tokens_b.get(i))
+        return (
+            f"{len(tokens_a)} vs {len(tokens_b)} tokens, id {i} is "
+            f"{tokens_a.get(i)!r} vs {tokens_b.get(i)!r}"
+        )
+    for name, x, y in (
+        ("eos", a.hf.eos_token_id, b.hf.eos_token_id),
+        ("bos", a.bos_id, b.bos_id),
+        ("pad", a.pad_id, b.pad_id),
+    ):
+        if x != y:
+            return f"{name} id {x} vs {y}"
+    return None
+
+
+def check_same_tokenizer(
+    policy_tok: Tokenizer,
+    other_tok: Tokenizer,
+    *,
+    policy_source: str,
+    other_source: str,
+    key: str = "teacher.source",
+) -> None:
+    """Refuses a second model whose tokenizer is not the policy's.
+
+    A model that scores the policy's samples reads the policy's token ids, so each id must name
+    the same token in both vocabularies, with the same special ids. How text splits into tokens
+    is not compared: the second model never tokenizes text. A GGUF and a Hugging Face export of
+    one model therefore match.
+
+    Raises:
+      ConfigError: one line naming ``key``, both sources and the first difference.
+    """
+    difference = tokenizer_difference(policy_tok, other_tok)
+    if difference is not None:
+        raise ConfigError(
+            f"config key {key!r}: the tokenizer of {other_source!r} is not the policy's "
+            f"({policy_source!r}): {difference}; both models must share one tokenizer"
+        )
