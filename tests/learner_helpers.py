@@ -2,8 +2,9 @@
 
 As a module: `text_reward` (a reward that varies with the sampled text, also used by config
 files through its dotted path `learner_helpers.text_reward`), `make_learner`, `run_steps`,
-`host_params` and `count_compiles`. Tests import it as `learner_helpers` (conftest.py's
-directory is on `sys.path`), never as `tests.learner_helpers`, so there is one module.
+`host_params`, `count_compiles` and `train_tiny_run`. Tests import it as `learner_helpers`
+(conftest.py's directory is on `sys.path`), never as `tests.learner_helpers`, so there is one
+module.
 
 As a script: one of N `jax.distributed` processes (gloo CPU collectives) training the tiny
 model for a few steps; process 0 writes the final parameters and per-step metrics:
@@ -30,6 +31,7 @@ from jaxgrpo.models.layout import Layout, mesh_platform
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.learner import Learner
+from jaxgrpo.run import train
 from jaxgrpo.settings.loading import load_config
 
 
@@ -96,6 +98,24 @@ def count_compiles():
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def train_tiny_run(run_dir: str, steps: int) -> str:
+    """Trains the tiny LoRA config `steps` steps into `run_dir`, checkpointing each step.
+
+    The random model's rewards are all 0 (every advantage is 0), so an entropy bonus and a high
+    learning rate are what move LoRA B off zero.
+    """
+    overrides = {
+        "run_dir": run_dir,
+        "steps": steps,
+        "checkpoint.every": 1,
+        "optim.lr": 0.05,
+        "rl.entropy_coef": 1.0,
+        "logging.tensorboard": False,
+    }
+    train.run(load_config("tiny", overrides))
+    return run_dir
 
 
 def _main() -> None:

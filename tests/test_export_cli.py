@@ -15,11 +15,12 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
+from learner_helpers import train_tiny_run
 
 from jaxgrpo.core import sharding
 from jaxgrpo.models import SafetensorsFiles
 from jaxgrpo.rl.checkpoint import Checkpointer
-from jaxgrpo.run import export, train
+from jaxgrpo.run import export
 from jaxgrpo.run.build import load_policy
 from jaxgrpo.settings.loading import load_config, run_config
 from jaxgrpo.settings.schema import resolve_mesh_shape
@@ -35,17 +36,7 @@ TEXTS = ["Copy this integer exactly: 4096", "hello", "0123456789 10 20"]
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     """A tiny LoRA run with checkpoints at steps 1 and 2."""
-    path = str(tmp_path_factory.mktemp("run"))
-    overrides = {
-        "run_dir": path,
-        "steps": 2,
-        "checkpoint.every": 1,
-        "optim.lr": 0.05,
-        "rl.entropy_coef": 1.0,
-        "logging.tensorboard": False,
-    }
-    train.run(load_config("tiny", overrides))
-    return path
+    return train_tiny_run(str(tmp_path_factory.mktemp("run")), steps=2)
 
 
 def _export(capsys, *args):
