@@ -17,7 +17,9 @@ JUDGE_PROMPT = (
 
 def _model() -> ConfigDict:
     c = ConfigDict()
-    c.source = "smollm2"  # HF dir, hub id, .gguf path, "smollm2" (embedded GGUF) or "tiny" (random)
+    # HF dir, hub id, .gguf path, "smollm2" (embedded GGUF), "tiny" (random), random:<name>, or a
+    # run directory (its latest checkpoint, LoRA merged; a LoRA policy gets fresh adapters)
+    c.source = "smollm2"
     c.dtype = "float32"  # compute dtype: "float32" or "bfloat16"
     c.param_dtype = "float32"  # parameter storage dtype: "float32" or "bfloat16"
     c.remat = True  # recompute each block in the backward pass: keeps one input per layer, not
