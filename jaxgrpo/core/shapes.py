@@ -7,6 +7,7 @@ Axis letters, used as shape suffixes (``logits_BTV``) and in einsums (``'BTD,DNH
     K kv heads         H head_dim            F mlp (intermediate)
     V vocab            L layers              G group size (samples per prompt)
     R rows of samples (R = B * G)            A LoRA (adapter) rank
+    Y labels of a classifier's score head (one for a reward model)
 
 A function may name a further letter for a local axis (a chunk C, a group X of fused rows);
 its docstring says what it is.
