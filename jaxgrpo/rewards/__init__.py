@@ -48,7 +48,10 @@ function that raises or returns None for every sample of ``rewards.max_failed_st
 consecutive steps stops the run with a ``RewardError`` naming it and a failing sample.
 
 Model-based rewards (``embedding``, ``perplexity``) import the model code and load their
-weights on first call, so importing this package loads no model.
+weights on first call, so importing this package loads no model. A name that is a checkpoint
+directory or hub id is a reward model (``reward_model``, TRL's ``reward_funcs=<model id>``),
+which the run builder loads on the run's mesh; it is called as a user's function is, with
+TRL's prompts and completions.
 """
 
 from __future__ import annotations

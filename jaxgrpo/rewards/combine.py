@@ -68,9 +68,12 @@ class _Term:
 
 def _is_builtin(fn: Callable) -> bool:
     """True for functions defined in the jaxgrpo package (they take strings and grade what the
-    model wrote: ``model_completions``)."""
+    model wrote: ``model_completions``), unless they set ``trl_arguments = True`` to be called
+    as a user's function is (a reward model reads TRL's prompts and completions)."""
     while isinstance(fn, functools.partial):
         fn = fn.func
+    if getattr(fn, "trl_arguments", False):
+        return False
     return getattr(fn, "__module__", "").split(".")[0] == "jaxgrpo"
 
 
