@@ -34,10 +34,12 @@ from jaxgrpo.data import TASKS, get_task
 from jaxgrpo.data.base import Task
 from jaxgrpo.models import Checkpoint, load_model
 from jaxgrpo.models.aliases import MODEL_ALIASES
+from jaxgrpo.models.classifier import CheckpointError
 from jaxgrpo.models.layout import mesh_platform
 from jaxgrpo.models.weights import hf_tensors
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
+from jaxgrpo.rewards.reward_model import is_model_source, load_reward_model
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.settings.loading import is_run_dir, run_config
@@ -133,15 +135,30 @@ def build_task(task_cfg: TaskConfig):
         raise ConfigError(f"config key 'task': {e}") from None
 
 
-def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> list[tuple]:
-    """Binds the frozen base model to model-based rewards (``perplexity``).
+def bind_model_rewards(
+    specs: Sequence[tuple], model: Any, tokenizer: Any, mesh: Mesh | None = None
+) -> list[tuple]:
+    """Binds the frozen base model to model-based rewards (``perplexity``) and loads the reward
+    models the specs name (``reward_model.is_model_source``) on ``mesh``, in the policy's dtypes.
 
     Built now, before training touches anything: the reward snapshots the weights, and a fresh
     model's LoRA B is zero, so it scores under the base policy for the whole run.
+
+    Raises:
+      ConfigError: a reward model that cannot be loaded, naming its ``rewards.functions`` entry.
     """
     out = []
-    for spec in specs:
-        if spec[0] == "perplexity":
+    for i, spec in enumerate(specs):
+        if isinstance(spec[0], str) and is_model_source(spec[0]):
+            cfg = getattr(model, "cfg", None)
+            dtypes = {} if cfg is None else dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype)
+            options = spec[2] if len(spec) > 2 else {}
+            try:
+                scorer = load_reward_model(spec[0], mesh=mesh, **dtypes, **options)
+            except CheckpointError as e:
+                raise ConfigError(f"config key 'rewards.functions[{i}]': {e}") from None
+            spec = (scorer, spec[1])
+        elif spec[0] == "perplexity":
             scorer = make_perplexity_reward(model, tokenizer, **(spec[2] if len(spec) > 2 else {}))
 
             def perplexity(prompts, completions, _scorer=scorer, **columns):
@@ -153,11 +170,16 @@ def bind_model_rewards(specs: Sequence[tuple], model: Any, tokenizer: Any) -> li
 
 
 def build_rewards(
-    cfg: RewardsConfig, model: Any, tokenizer: Any, agent: Agent | None = None
+    cfg: RewardsConfig,
+    model: Any,
+    tokenizer: Any,
+    agent: Agent | None = None,
+    mesh: Mesh | None = None,
 ) -> RewardSet:
-    """The run's ``RewardSet``, model-based rewards bound to the (untrained) ``model``, and the
-    ``agent``'s environment's ``get_reward()`` as one more term, at its weight."""
-    specs = bind_model_rewards(cfg.functions, model, tokenizer)
+    """The run's ``RewardSet``, model-based rewards bound to the (untrained) ``model`` and
+    reward models loaded on ``mesh``, and the ``agent``'s environment's ``get_reward()`` as one
+    more term, at its weight."""
+    specs = bind_model_rewards(cfg.functions, model, tokenizer, mesh)
     for env_reward in agent.reward_functions() if agent is not None else ():
         specs.append((env_reward, agent.reward_weight))
     return RewardSet(
@@ -189,7 +211,7 @@ def build_parts(cfg: TrainConfig) -> RunParts:
     task.eval_examples()
     model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
     agent = Agent.from_config(cfg.agent, tokenizer)
-    rewards = build_rewards(cfg.rewards, model, tokenizer, agent)
+    rewards = build_rewards(cfg.rewards, model, tokenizer, agent, mesh)
     learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent)
     return RunParts(learner, task, mesh)
 

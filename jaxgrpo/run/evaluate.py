@@ -232,7 +232,7 @@ def load_scored_policy(cfg: Any, run_dir: str | None, mesh, model_source=None, c
     (None without tools), as in training."""
     model, tokenizer, _ = load_policy(cfg, None, mesh, model_source, cache=cache)
     agent = Agent.from_config(cfg.agent, tokenizer)
-    reward_set = build_rewards(cfg.rewards, model, tokenizer, agent)
+    reward_set = build_rewards(cfg.rewards, model, tokenizer, agent, mesh)
     step = restore_params(cfg, model, tokenizer, run_dir, mesh) if run_dir else 0
     return model, tokenizer, reward_set, step, agent
 

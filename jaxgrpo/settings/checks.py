@@ -24,6 +24,8 @@ from jaxgrpo.core.errors import ConfigError, config_require
 from jaxgrpo.data import TASKS
 from jaxgrpo.models.config import LORA_TARGETS, REMAT_POLICIES
 from jaxgrpo.rewards import REWARDS, Curriculum
+from jaxgrpo.rewards.reward_model import OPTIONS as REWARD_MODEL_OPTIONS
+from jaxgrpo.rewards.reward_model import is_model_source
 from jaxgrpo.rl.advantages import BASELINES, SCALES
 from jaxgrpo.rl.batch_layout import check_batch_layout
 from jaxgrpo.rl.kl import KL_ESTIMATORS
@@ -100,8 +102,10 @@ def _check_rewards(cfg: ConfigDict) -> None:
             entry,
         )
         name = entry[0]
-        known = name in REWARDS or "." in name or ":" in name
-        _require(known, key, f"unknown reward; known: {sorted(REWARDS)} or a dotted path", name)
+        model = name not in REWARDS and is_model_source(name)
+        known = name in REWARDS or "." in name or ":" in name or model
+        why = f"unknown reward; known: {sorted(REWARDS)}, a dotted path or a reward model path"
+        _require(known, key, why, name)
         weight = entry[1]
         if isinstance(weight, bool) or not isinstance(weight, int | float | Mapping):
             _require(False, key, "weight must be a number or a curriculum dict", weight)
@@ -113,6 +117,12 @@ def _check_rewards(cfg: ConfigDict) -> None:
             raise ConfigError(f"config key {key!r}: bad curriculum {weight!r}: {e}") from None
         if len(entry) == 3:
             _require(isinstance(entry[2], Mapping), key, "kwargs must be a dict", entry[2])
+        if model and len(entry) == 3:
+            bad = sorted(set(entry[2]) - set(REWARD_MODEL_OPTIONS))
+            _require(not bad, key, f"a reward model takes {list(REWARD_MODEL_OPTIONS)}", bad)
+            for option, value in entry[2].items():
+                ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+                _require(ok, key, f"{option} must be an int >= 1", value)
     _one_of(cfg, "rewards.reward_on_error", ("none", "raise"))
     chats = cfg.rewards.conversational
     ok = isinstance(chats, bool) or (isinstance(chats, str) and chats == "auto")
