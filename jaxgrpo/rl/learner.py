@@ -287,7 +287,9 @@ class Learner:
         with timer("update"):
             inputs, packing, shared, t = self.batch_inputs(r)
         teacher_logp = None
-        if self.programs.teacher_logprobs is not None:
+        if self.cfg.teacher.enabled:
+            if self.programs.teacher_logprobs is None:
+                raise ValueError("cfg.teacher uses a teacher, but the Learner was given none")
             with timer("teacher"):
                 teacher_logp = self._teacher_pass(inputs, packing, shared)
         with timer("reference"):

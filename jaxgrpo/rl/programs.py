@@ -57,7 +57,8 @@ class StepPrograms:
             lowered and compiled (`jaxgrpo.planning.aot`), but not run.
         mesh: the (data, fsdp, tensor) mesh.
         teacher: the frozen teacher `Transformer` when `cfg.teacher` uses one (placed, or
-            abstract as `model`), else None.
+            abstract as `model`), else None. Without it the programs and the state have the
+            shapes of the run's, so a checkpoint restores, but the step cannot score.
 
     Attributes:
         graphdef: the model's graph, closed over by every program.
@@ -94,8 +95,8 @@ class StepPrograms:
             cfg.optim, total, self.updates_per_step, self.layout.grad_norm
         )
         teacher_cfg = cfg.teacher
-        if teacher_cfg.enabled != (teacher is not None):
-            raise ValueError("pass the teacher model exactly when cfg.teacher uses one")
+        if teacher is not None and not teacher_cfg.enabled:
+            raise ValueError("a teacher model was given, but cfg.teacher uses none")
         self.kl_to_teacher = scores_reference(self.rl) and teacher_cfg.as_reference
         self.needs_ref = scores_reference(self.rl) and not self.kl_to_teacher
         self._place_teacher(teacher, mesh)
@@ -106,7 +107,7 @@ class StepPrograms:
             self.rl,
             cfg.sampling,
             use_old_logp=self.old_from != "none",
-            distill_coef=teacher_cfg.distill_coef if teacher is not None else 0.0,
+            distill_coef=teacher_cfg.distill_coef if teacher_cfg.enabled else 0.0,
         )
         self.build()
 

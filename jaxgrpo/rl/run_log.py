@@ -313,8 +313,9 @@ def run_header(info: Mapping[str, Any]) -> str:
       info: ``model``, ``params``, ``trainable``, ``lora_rank``, ``task``, ``train_size``,
         ``eval_size``, ``prompts_per_step``, ``group_size``, ``steps``, ``devices``,
         ``platform``, ``mesh`` (axis -> size), ``run_dir``, ``start`` (completed steps),
-        ``cache_dir`` (or None) and optionally ``cache_off_why`` (" (why)" it is off) and
-        ``tools`` (``Agent.tools_line``: the tools and how the model is told of them).
+        ``cache_dir`` (or None) and optionally ``cache_off_why`` (" (why)" it is off),
+        ``tools`` (``Agent.tools_line``: the tools and how the model is told of them) and
+        ``teacher`` (the teacher's source, parameters and what it is used for).
     """
     tuning = (
         f"LoRA rank {info['lora_rank']}, {human_count(info['trainable'])} trainable"
@@ -336,6 +337,8 @@ def run_header(info: Mapping[str, Any]) -> str:
     ]
     if info.get("tools"):
         lines.append(f"tools    {info['tools']}")
+    if info.get("teacher"):
+        lines.append(f"teacher  {info['teacher']}")
     return "\n".join(lines)
 
 

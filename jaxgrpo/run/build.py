@@ -36,6 +36,7 @@ from jaxgrpo.models import Checkpoint, load_model
 from jaxgrpo.models.aliases import MODEL_ALIASES
 from jaxgrpo.models.classifier import CheckpointError
 from jaxgrpo.models.layout import mesh_platform
+from jaxgrpo.models.tokenizer import check_same_tokenizer
 from jaxgrpo.models.weights import hf_tensors
 from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rewards.perplexity import make_perplexity_reward
@@ -210,10 +211,31 @@ def build_parts(cfg: TrainConfig) -> RunParts:
     task = build_task(cfg.task)
     task.eval_examples()
     model, tokenizer = build_model(cfg.model, cfg.seed, mesh)
+    teacher = build_teacher(cfg, mesh, tokenizer)
     agent = Agent.from_config(cfg.agent, tokenizer)
     rewards = build_rewards(cfg.rewards, model, tokenizer, agent, mesh)
-    learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent)
+    learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent, teacher)
     return RunParts(learner, task, mesh)
+
+
+def build_teacher(cfg: TrainConfig, mesh: Any, tokenizer: Any):
+    """The run's frozen teacher on ``mesh`` in the policy's dtypes, or None when
+    ``cfg.teacher`` uses none.
+
+    Raises:
+      ConfigError: the teacher's tokenizer is not the policy's (``tokenizer``): its ids would
+        score other text than the policy sampled.
+    """
+    if not cfg.teacher.enabled:
+        return None
+    m = cfg.model
+    teacher, teacher_tok = build_frozen_model(
+        cfg.teacher.source, mesh, dtype=m.dtype, param_dtype=m.param_dtype, seed=cfg.seed
+    )
+    check_same_tokenizer(
+        tokenizer, teacher_tok, policy_source=m.source, other_source=cfg.teacher.source
+    )
+    return teacher
 
 
 # ----------------------------------------------------------------------------------------------

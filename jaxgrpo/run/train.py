@@ -38,6 +38,7 @@ from jaxgrpo.rl.run_log import (
     check_dead_run,
     console,
     eval_line,
+    human_count,
     run_header,
     run_summary,
     warn_once,
@@ -173,7 +174,18 @@ def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
         "cache_dir": jax.config.jax_compilation_cache_dir,
         "cache_off_why": cache_off_why(),
         "tools": learner.agent.tools_line if learner.agent is not None else None,
+        "teacher": _teacher_line(cfg, learner),
     }
+
+
+def _teacher_line(cfg, learner) -> str | None:
+    """The teacher's source, size and uses, for the run's header."""
+    t, p = cfg.teacher, learner.programs
+    if p.teacher_weights is None:
+        return None
+    uses = [f"distillation term x {t.distill_coef:g}"] * (t.distill_coef > 0)
+    uses += [f"KL target (beta {cfg.rl.beta:g}) in place of the reference"] * p.kl_to_teacher
+    return f"{t.source}: {human_count(p.n_teacher_params)} parameters, frozen; " + ", ".join(uses)
 
 
 def _summary_info(cfg, log_dir, step, t_run, held_out, latest) -> dict[str, Any]:

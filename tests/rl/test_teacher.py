@@ -6,10 +6,14 @@ log-probs against transformers 1e-4 (float32, relative to their scale); paramete
 step on 8 devices against 1 device 1e-5 absolute, as tests/rl/test_learner.py.
 """
 
+import json
+import subprocess
+import sys
+
 import jax
 import numpy as np
 import pytest
-from learner_helpers import host_params, make_learner
+from learner_helpers import host_params, make_learner, train_tiny_run
 from tiny_hf import llama_config
 
 from jaxgrpo.core.sharding import to_host
@@ -17,6 +21,8 @@ from jaxgrpo.models import load_model
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import TINY_VOCAB, tiny_model, tiny_tokenizer
 from jaxgrpo.rl.step_metrics import Timer
+from jaxgrpo.run import train
+from jaxgrpo.settings.loading import load_config
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -158,3 +164,36 @@ def test_eight_devices_equal_one_with_a_teacher(distilled, teacher_dir):
         np.testing.assert_allclose(got, want, atol=1e-5)
     for key in ("teacher/reverse_kl", "loss", "grad_norm"):
         assert m8[key] == pytest.approx(m1[key], rel=1e-4, abs=1e-6), key
+
+
+def test_a_run_directory_distils_through_the_training_entry_point(tmp_path):
+    """`teacher.source` names a trained run: its checkpoint (LoRA merged) is the teacher, the
+    header says so, and the metrics rows carry the teacher's figures."""
+    teacher_run = train_tiny_run(str(tmp_path / "teacher"), steps=1)
+    over = {
+        "run_dir": str(tmp_path / "student"),
+        "steps": 1,
+        "logging.tensorboard": False,
+        "teacher.source": teacher_run,
+        "teacher.distill_coef": 1.0,
+    }
+    train.run(load_config("tiny", over))
+    rows = [json.loads(x) for x in open(tmp_path / "student" / "metrics.jsonl")]
+    step = next(r for r in rows if "teacher/reverse_kl" in r)
+    assert np.isfinite(step["teacher/reverse_kl"]) and step["time/teacher"] > 0
+
+
+@pytest.mark.slow
+def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path):
+    """The tiny policy's 384-id tokenizer against SmolLM2's: one line naming both sources."""
+    cmd = [
+        sys.executable, "-m", "jaxgrpo.train", "--config", "tiny.py",
+        f"--config.run_dir={tmp_path / 'run'}", "--config.steps=1",
+        "--config.teacher.source=smollm2", "--config.teacher.distill_coef=1.0",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode != 0
+    err = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and "teacher.source" in err[0], out.stderr[-2000:]
+    assert "'smollm2'" in err[0] and "'tiny'" in err[0]
+    assert "Traceback" not in out.stderr
