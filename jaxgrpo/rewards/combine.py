@@ -266,13 +266,20 @@ class RewardSet:
 
     @staticmethod
     def _total(per_fn: dict[str, np.ndarray], weights: dict[str, float], n: int) -> np.ndarray:
-        scored = np.zeros((n,), np.bool_)
+        """The weighted sum; NaN where no function scored; 0 everywhere for a set of no
+        functions (a distillation run's only signal is its teacher's)."""
+        scored = np.full((n,), not per_fn, np.bool_)
         total = np.zeros((n,), np.float32)
         for name, values in per_fn.items():
             ok = ~np.isnan(values)
             scored |= ok
             total += np.where(ok, np.float32(weights[name]) * values, np.float32(0.0))
         return np.where(scored, total, np.float32(np.nan)).astype(np.float32)
+
+    def forget_logged(self) -> None:
+        """Empties ``logged_metrics`` / ``logged_extra``: a training step starts with what its
+        own scoring logs, not what an evaluation at the same step logged before it."""
+        self.logged_metrics, self.logged_extra = {}, {}
 
     def _log_extra(self, column: str, values: list) -> None:
         self.logged_extra.setdefault(column, []).extend(values)

@@ -122,6 +122,7 @@ class Learner:
         next_step, next_rng, k_sample, k_shuffle = self.programs.advance(state.step, state.rng)
         timer = step_metrics.Timer()
         self._end_phase()
+        self.reward_set.forget_logged()
         rollout, draws = self.collect(state, list(examples), k_sample, step, draw, timer)
         self._end_phase()
         batch, extra = self.prepare(state, rollout, timer)
@@ -130,6 +131,9 @@ class Learner:
             state, update_metrics = self.optimize(state, batch, k_shuffle)
         state = state.replace(step=next_step, rng=next_rng)
         metrics = step_metrics.step_metrics(rollout, extra, update_metrics, timer.seconds)
+        # What reward functions reported with TRL's log_metric (a reward model's time): means.
+        logged = self.reward_set.logged_metrics.items()
+        metrics.update({name: float(np.mean(values)) for name, values in logged if values})
         metrics.update(
             draws=float(draws),
             lr=float(self.programs.schedule(step * self.programs.updates_per_step)),

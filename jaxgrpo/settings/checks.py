@@ -92,7 +92,9 @@ def _one_of(cfg: ConfigDict, key: str, options: tuple) -> None:
 
 def _check_rewards(cfg: ConfigDict) -> None:
     functions = cfg.rewards.functions
-    _require(len(functions) > 0, "rewards.functions", "needs at least one reward", functions)
+    ok = len(functions) > 0 or cfg.teacher.distill_coef > 0
+    msg = "needs at least one reward (none only with a teacher: teacher.distill_coef > 0)"
+    _require(ok, "rewards.functions", msg, functions)
     for i, entry in enumerate(functions):
         key = f"rewards.functions[{i}]"
         _require(

@@ -140,6 +140,7 @@ def test_a_training_step_and_evaluation_report_it(rm_dir, tmp_path):
     train.run(cfg)
     step = next(r for r in _metrics(run_dir) if "reward/tiny-rm/mean" in r)
     assert np.isfinite(step["reward/tiny-rm/mean"]) and step["reward/tiny-rm/failed_frac"] == 0
+    assert 0 < step["time/reward_model"] <= step["time/rewards"]  # a part of the rewards phase
     argv = ["--config", "tiny", "--max_examples", "2", "--num_samples", "1"]
     argv += ["--max_new_tokens", "4", "--out", str(tmp_path / "eval.json")]
     argv += [f"--config.rewards.functions=(('{rm_dir}', 1.0),)"]

@@ -16,10 +16,12 @@ import pytest
 from learner_helpers import host_params, make_learner, train_tiny_run
 from tiny_hf import llama_config
 
+from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.core.sharding import to_host
 from jaxgrpo.models import load_model
 from jaxgrpo.models.config import LoRAConfig
 from jaxgrpo.models.tiny import TINY_VOCAB, tiny_model, tiny_tokenizer
+from jaxgrpo.rewards import RewardSet
 from jaxgrpo.rl.step_metrics import Timer
 from jaxgrpo.run import train
 from jaxgrpo.settings.loading import load_config
@@ -197,3 +199,14 @@ def test_a_teacher_with_another_tokenizer_is_refused_in_one_line(tmp_path):
     assert len(err) == 1 and "teacher.source" in err[0], out.stderr[-2000:]
     assert "'smollm2'" in err[0] and "'tiny'" in err[0]
     assert "Traceback" not in out.stderr
+
+
+def test_no_reward_at_all_is_a_distillation_run():
+    """`rewards.functions = ()` is refused unless a teacher's term is the signal; a reward set
+    of no functions scores every sample 0."""
+    with pytest.raises(ConfigError, match="rewards.functions"):
+        load_config("tiny", {"rewards.functions": ()})
+    cfg = load_config("tiny", {"rewards.functions": (), **DISTIL})
+    assert cfg.rewards.functions == ()
+    total, per_fn, weights = RewardSet([])(["p"] * 3, ["c"] * 3)
+    assert total.tolist() == [0.0, 0.0, 0.0] and per_fn == {} and weights == {}
