@@ -369,3 +369,27 @@ def test_a_teacher_that_cannot_fit_is_refused_in_one_line_before_compiling(capsy
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.count("\n") == 0, err
     assert err.startswith("error: teacher.source: the teacher's weights") and "mesh.fsdp" in err
+
+
+def test_a_reward_model_compiles_its_scoring_program_with_its_weights_resident():
+    """`random:<name>` in rewards.functions: a one-label classifier of that shape scores the
+    step's sequences `batch_size` at a time; its backbone stays on the chips beside the
+    policy's programs."""
+    rm = "random:SmolLM2-135M"
+    over = {"rewards.functions": (("format_copy", 1.0), (rm, 0.5, {"batch_size": 4}))}
+    rep = compile_cli.compile_config("tiny", "cpu-8", over, only=("score", "update"))
+    names = [p["program"] for p in rep["programs"]]
+    assert names == ["score (ref/old)", "score (reward_model[1])", "update"]
+    scoring = _program(rep, "score (reward_model[1])")
+    assert scoring["calls"] == 2  # 2 prompts x 4 samples, 4 rows a call
+    resident = _program(rep, "update")["memory"]["resident"]
+    assert resident == pytest.approx(scoring["memory"]["arguments"], rel=0.01)
+    second = rep["facts"]["second_models"]["reward_model[1]"]
+    assert second["source"] == rm and 1.0e8 < second["params"] < 1.4e8
+    assert "reward_model[1] random:SmolLM2-135M" in compile_cli.render(rep)
+
+
+def test_a_reward_model_that_cannot_fit_is_refused_naming_its_entry():
+    over = {"rewards.functions": (("format_copy", 1.0), ("random:Llama-3.1-70B", 0.5))}
+    with pytest.raises(ValueError, match=r"^rewards\.functions\[1\]: the reward_model\[1\]"):
+        compile_cli.compile_config("tiny", "cpu-8", over, only=("score",))

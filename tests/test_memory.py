@@ -248,3 +248,22 @@ def test_a_teacher_adds_its_frozen_weights_to_every_device():
     assert with_teacher["total"] == pytest.approx(without["total"] + with_teacher["teacher"])
     text = memory_report.report(model_cfg, run, "v5e-64", others)
     assert "teacher 8.030 B parameters (frozen)" in text and "| teacher |" in text
+
+
+def test_a_reward_model_adds_its_backbone():
+    """A reward model named in rewards.functions is a part of its own: its backbone (no LM
+    head) in the policy's parameter dtype, split over fsdp x tensor."""
+    from jaxgrpo.core.presets import PRESETS
+    from jaxgrpo.settings.loading import load_config
+
+    p = PRESETS["v5e-64"]
+    functions = (("exact_answer", 1.0), ("random:Llama-3.1-8B", 0.5))
+    cfg = load_config("gsm8k_hard", {"rewards.functions": functions})
+    others = memory.second_models(cfg)
+    assert list(others) == ["reward_model[1]"]
+    backbone = others["reward_model[1]"]
+    assert backbone.tie_embeddings and 7.4e9 < memory.base_param_count(backbone) < 7.6e9
+    model_cfg, run = memory.from_train_config(cfg, 256)
+    est = memory.estimate(model_cfg, run, p.mesh, p.hbm_bytes, others)
+    shard = p.mesh["fsdp"] * p.mesh["tensor"]
+    assert est["reward_model[1]"] == memory.base_param_count(backbone) * 2 / shard

@@ -30,12 +30,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from jaxgrpo.core import sharding
+from jaxgrpo.core import presets, sharding
 from jaxgrpo.core.errors import UserError
 from jaxgrpo.core.shapes import Array
 from jaxgrpo.models import Checkpoint, default_layout, read_source
 from jaxgrpo.models.config import ModelConfig
-from jaxgrpo.models.construct import empty_model
+from jaxgrpo.models.construct import empty_model, random_model
+from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import Tokenizer
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.models.weights import load_hf_tensors
@@ -180,12 +181,56 @@ def _open(source: str) -> tuple[Checkpoint, str]:
     return checkpoint, os.path.join(path, "config.json")
 
 
+def _random_hf_config(source: str) -> dict[str, Any]:
+    """``random:<name>``: the config.json of a one-label classifier on an ``ARCHITECTURES``
+    preset's backbone, padded with the tiny tokenizer's pad id (its tokenizer)."""
+    name = source.removeprefix(presets.RANDOM_PREFIX)
+    if name not in presets.ARCHITECTURES:
+        known = ", ".join(presets.ARCHITECTURES)
+        raise CheckpointError(f"unknown architecture {name!r} in {source!r}; known: {known}")
+    hf = dict(presets.ARCHITECTURES[name])
+    family = {family: arch for arch, family in ARCHITECTURES.items()}[hf["model_type"]]
+    return {
+        **hf,
+        "architectures": [family],
+        "num_labels": 1,
+        "pad_token_id": tiny_tokenizer().pad_id,
+    }
+
+
 def classifier_config(source: str | os.PathLike, **fields: Any) -> ClassifierConfig:
     """A checkpoint's ``ClassifierConfig`` without loading its weights (for
     ``abstract_classifier`` and an ahead-of-time compile); ``fields`` as ``ModelConfig``'s
-    (dtype, param_dtype, layout). Raises as ``load_classifier`` does for config.json."""
-    checkpoint, where = _open(os.fspath(source))
+    (dtype, param_dtype, layout). ``random:<name>`` is a preset's shape (``load_classifier``
+    draws its weights). Raises as ``load_classifier`` does for config.json."""
+    source = os.fspath(source)
+    if source.startswith(presets.RANDOM_PREFIX):
+        return ClassifierConfig.from_hf_config(_random_hf_config(source), source, **fields)
+    checkpoint, where = _open(source)
     return ClassifierConfig.from_hf_config(checkpoint.hf_config, where, **fields)
+
+
+def _random_classifier(source: str, mesh, rules, fields) -> tuple[SequenceClassifier, Tokenizer]:
+    """``random:<name>``: random weights of a preset's shape and the tiny tokenizer (compile
+    checks and benchmarks, with no download)."""
+    cfg = classifier_config(source, **fields)
+    model = abstract_classifier(cfg)
+    model.backbone = random_model(cfg.backbone, mesh=mesh, rules=rules)
+    d = cfg.backbone.hidden_size
+    score_YD = np.random.default_rng(0).normal(0.0, 0.02, (1, d))
+    _place_score(model, score_YD.astype(jnp.dtype(cfg.backbone.param_dtype)), mesh, rules)
+    return model, tiny_tokenizer()
+
+
+def _place_score(model: SequenceClassifier, score_YD: np.ndarray, mesh, rules) -> None:
+    """Puts the score head on ``mesh`` by ``rules`` (one device without a mesh)."""
+    where = None
+    if mesh is not None:
+        spec = sharding.logical_to_spec(
+            SCORE_AXES, rules or sharding.TRAIN_RULES, score_YD.shape, mesh
+        )
+        where = NamedSharding(mesh, spec)
+    model.score.set_value(jax.device_put(np.ascontiguousarray(score_YD), where))
 
 
 def _score_weight(get_tensor, source: str, d: int) -> np.ndarray:
@@ -217,7 +262,8 @@ def load_classifier(
 
     Args:
         source: a Hugging Face directory (or hub id, downloaded when the hub is reachable)
-            whose ``config.json`` names one of ``ARCHITECTURES``.
+            whose ``config.json`` names one of ``ARCHITECTURES``, or ``random:<name>``: random
+            weights of a ``jaxgrpo.core.presets.ARCHITECTURES`` shape, the tiny tokenizer.
         mesh: parameters are placed sharded by ``rules`` (default ``TRAIN_RULES``) and the
             activations constrained; None: one device.
         dtype: compute dtype, "float32" or "bfloat16" (scores are float32).
@@ -236,9 +282,11 @@ def load_classifier(
     """
     if pad_id not in ("config", "tokenizer"):
         raise ValueError(f"pad_id must be 'config' or 'tokenizer', got {pad_id!r}")
+    fields = dict(dtype=dtype, param_dtype=param_dtype or dtype, layout=default_layout(mesh))
+    if os.fspath(source).startswith(presets.RANDOM_PREFIX):
+        return _random_classifier(os.fspath(source), mesh, rules, fields)
     checkpoint, where = _open(os.fspath(source))
     get_tensor = checkpoint.get_tensor
-    fields = dict(dtype=dtype, param_dtype=param_dtype or dtype, layout=default_layout(mesh))
     cfg = ClassifierConfig.from_hf_config(checkpoint.hf_config, where, **fields)
     score_YD = _score_weight(get_tensor, source, cfg.backbone.hidden_size)
     try:
@@ -258,11 +306,5 @@ def load_classifier(
         load_hf_tensors(model.backbone, get_tensor)
     except (KeyError, ValueError) as e:  # a missing or mis-shaped tensor, named
         raise CheckpointError(f"{source}: {e.args[0]}") from None
-    score_YD = score_YD.astype(jnp.dtype(cfg.backbone.param_dtype))
-    where_score = None
-    if mesh is not None:
-        rules = rules or sharding.TRAIN_RULES
-        spec = sharding.logical_to_spec(SCORE_AXES, rules, score_YD.shape, mesh)
-        where_score = NamedSharding(mesh, spec)
-    model.score.set_value(jax.device_put(np.ascontiguousarray(score_YD), where_score))
+    _place_score(model, score_YD.astype(jnp.dtype(cfg.backbone.param_dtype)), mesh, rules)
     return model, tokenizer

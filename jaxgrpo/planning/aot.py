@@ -35,7 +35,7 @@ from jaxgrpo.models.config import ModelConfig
 from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
-from jaxgrpo.planning import flops, memory
+from jaxgrpo.planning import flops, frozen, memory
 from jaxgrpo.rl import held_out
 from jaxgrpo.rl.learner import Learner
 from jaxgrpo.rl.programs import abstract_array
@@ -89,15 +89,6 @@ def abstract_learner(
     return Learner(cfg, abstract_model(model_cfg, mesh), tok, task, None, mesh, agent, teacher)
 
 
-def per_chip_bytes(tree) -> float:
-    """Bytes one device holds of a tree of sharded arrays or ``jax.ShapeDtypeStruct``s."""
-    total = 0.0
-    for x in jax.tree.leaves(tree):
-        shard = x.sharding.shard_shape(x.shape)
-        total += math.prod(shard) * np.dtype(x.dtype).itemsize
-    return total
-
-
 def _abstract_like(x, sharding_):
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_)
 
@@ -117,9 +108,10 @@ class Program:
       loop_trips: trip count assumed for while loops XLA cannot count (the decode loop: T).
       oom: the compiler's message when it refused the program for exceeding the chip's
         memory (``compiled`` is then None).
+      owner: whose weights it runs: "policy", "teacher" or "reward_model[i]".
       resident_bytes: bytes per chip that stay on the device while it runs but are not its
-        arguments: a second model's weights beside the policy's programs, the policy's state
-        beside the second model's.
+        arguments (``frozen.set_resident``): a second model's weights beside the policy's
+        programs, the policy's state beside the second model's.
     """
 
     name: str
@@ -132,6 +124,7 @@ class Program:
     weight_bytes: float
     loop_trips: int = 1
     oom: str | None = None
+    owner: str = "policy"
     resident_bytes: float = 0.0
 
 
@@ -288,6 +281,17 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         args = (*step.teacher_weights, *inputs, batch.packing, batch.shared_ids)
         w_teacher = flops.weight_bytes(teacher) / d
         programs.append(_compile("score (teacher)", step.teacher_logprobs, args, 1, f, w_teacher))
+        programs[-1].owner = "teacher"
+    persistent = {"policy": frozen.per_chip_bytes((step.abstract_state(), step.frozen))}
+    if step.teacher_weights is not None:
+        persistent["teacher"] = frozen.per_chip_bytes(step.teacher_weights)
+    fields = dict(dtype=cfg.dtype, param_dtype=cfg.param_dtype, layout=cfg.layout)
+    for call in frozen.reward_model_calls(learner.cfg, learner.mesh, fields, p + t, n):
+        persistent[call.owner] = frozen.per_chip_bytes(call.args[0])
+        if want("score"):
+            args = (call.name, call.jitted, call.args, call.calls, call.flops, call.weight_bytes)
+            programs.append(_compile(*args))
+            programs[-1].owner = call.owner
     if want("update"):
         u = step.micro_batches(batch)
         idx = jax.ShapeDtypeStruct(
@@ -300,19 +304,8 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         programs.append(_compile("update", step.update, args, calls, f, 3 * w))
     if want("eval"):
         programs += _sampler(learner, "eval", n, p, held_out.sampler_settings(learner), d)[0]
-    _count_resident(step, programs)
+    frozen.set_resident(programs, persistent)
     return programs
-
-
-def _count_resident(step, programs: list[Program]) -> None:
-    """Sets each program's ``resident_bytes``: the teacher's weights stay on the chips while
-    the policy's programs run, and the policy's state and weights while the teacher's does."""
-    if step.teacher_weights is None:
-        return
-    teacher = per_chip_bytes(step.teacher_weights)
-    policy = per_chip_bytes((step.abstract_state(), step.frozen))
-    for program in programs:
-        program.resident_bytes = policy if program.name == "score (teacher)" else teacher
 
 
 def compile_step(
@@ -337,6 +330,9 @@ def compile_step(
     mesh = sharding.make_mesh(shape, devices)
     model_cfg = model_config(cfg.model, platform)
     others = memory.second_models(cfg, platform)
+    sources = {"teacher": cfg.teacher.source} | {
+        f"reward_model[{i}]": source for i, source in memory.reward_model_sources(cfg).items()
+    }
     learner = abstract_learner(cfg, mesh, model_cfg, others)
     tool_tokens = tool_prompt_tokens(learner.agent)
     p, t = bucket_length(prompt_len + tool_tokens), cfg.sampling.max_new_tokens
@@ -362,7 +358,7 @@ def compile_step(
         remat_policy=model_cfg.remat_policy,
         layer_loop=model_cfg.layout.layer_loop,
         second_models={
-            name: {"source": cfg.teacher.source, "params": memory.base_param_count(m)}
+            name: {"source": sources[name], "params": memory.base_param_count(m)}
             for name, m in others.items()
         },
     )

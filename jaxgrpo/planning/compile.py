@@ -239,9 +239,6 @@ def compile_config(
     return report(cfg, programs, facts, preset)
 
 
-SECOND_MODEL_KEYS = {"teacher": "teacher.source"}  # the config key of each second model
-
-
 def check_second_models(cfg: Any, mesh: dict[str, int], preset, prompt_len: int) -> None:
     """Refuses, in one line naming the key and the knobs, a second model (teacher, reward
     model) whose weights do not fit beside the policy's persistent state on the slice's
@@ -255,7 +252,7 @@ def check_second_models(cfg: Any, mesh: dict[str, int], preset, prompt_len: int)
     usable = 0.9 * preset.hbm_bytes
     for name in others:
         if static > usable:
-            key = SECOND_MODEL_KEYS.get(name, name)
+            key = "teacher.source" if name == "teacher" else f"rewards.functions{name[12:]}"
             bf16 = ", set model.param_dtype='bfloat16'" * (cfg.model.param_dtype == "float32")
             raise ValueError(
                 f"{key}: the {name}'s weights ({_gib(est[name])} GiB per chip) and the policy's "

@@ -50,11 +50,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from jaxgrpo.core.sharding import sampling_layout
+from jaxgrpo.models.classifier import classifier_config
 from jaxgrpo.models.config import LORA_TARGETS, ModelConfig
 from jaxgrpo.models.lm_head import head_chunk
 from jaxgrpo.models.logprobs import band_layout
+from jaxgrpo.rewards.registry import REWARDS
+from jaxgrpo.rewards.reward_model import is_model_source
 from jaxgrpo.rl.objective import scores_reference
 from jaxgrpo.settings.model import model_config as run_model_config
+from jaxgrpo.settings.model import model_fields
 
 _BYTES = {"float32": 4, "bfloat16": 2}
 
@@ -260,12 +264,27 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
 
 def second_models(cfg: Any, platform: str = "tpu") -> dict[str, ModelConfig]:
     """The frozen second models of a ``TrainConfig`` that live on its devices, by the name of
-    their memory part: ``teacher`` (``cfg.teacher``), in the policy's dtypes."""
+    their memory part, in the policy's dtypes: ``teacher`` (``cfg.teacher``) and
+    ``reward_model[i]``, the backbone of ``rewards.functions[i]`` when it names a reward model
+    (its score head, one row, is left out)."""
     out = {}
+    frozen = dataclasses.replace(cfg.model, lora_rank=0)
     if cfg.teacher.enabled:
-        frozen = dataclasses.replace(cfg.model, lora_rank=0)
         out["teacher"] = run_model_config(frozen, platform, source=cfg.teacher.source)
+    fields = model_fields(frozen, platform)
+    dtypes = {k: fields[k] for k in ("dtype", "param_dtype", "layout")}
+    for i, source in reward_model_sources(cfg).items():
+        out[f"reward_model[{i}]"] = classifier_config(source, **dtypes).backbone
     return out
+
+
+def reward_model_sources(cfg: Any) -> dict[int, str]:
+    """``rewards.functions`` entries that name a reward model: index -> source."""
+    return {
+        i: entry[0]
+        for i, entry in enumerate(cfg.rewards.functions)
+        if isinstance(entry[0], str) and entry[0] not in REWARDS and is_model_source(entry[0])
+    }
 
 
 def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):

@@ -34,17 +34,23 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxgrpo.core import sharding
+from jaxgrpo.core.presets import RANDOM_PREFIX
 from jaxgrpo.models.classifier import SequenceClassifier, load_classifier, scoring_program
 from jaxgrpo.models.tokenizer import Tokenizer, bucket_length
 
 OPTIONS = ("batch_size", "max_length")  # the kwargs of a reward model's rewards.functions entry
+DEFAULT_BATCH_SIZE = 16  # rows per scoring call
+DEFAULT_MAX_LENGTH = 2048  # tokens of a text; longer ones keep their end
 TIME_METRIC = "time/reward_model"
 
 
 def is_model_source(name: str) -> bool:
     """Whether a ``rewards.functions`` name is a reward model: a path (it has a ``/``, which no
-    registry name or dotted path has) or an existing directory with a ``config.json``."""
+    registry name or dotted path has), an existing directory with a ``config.json``, or
+    ``random:<name>`` (random weights of a preset's shape)."""
     path = os.path.expanduser(name)
+    if name.startswith(RANDOM_PREFIX):  # random weights of a preset's shape (compile checks)
+        return True
     return "/" in name or os.path.isfile(os.path.join(path, "config.json"))
 
 
@@ -73,8 +79,8 @@ class RewardModel:
         *,
         mesh: Mesh | None = None,
         name: str = "reward_model",
-        max_length: int = 2048,
-        batch_size: int = 16,
+        max_length: int = DEFAULT_MAX_LENGTH,
+        batch_size: int = DEFAULT_BATCH_SIZE,
         min_bucket: int = 16,
     ):
         if max_length < 1 or batch_size < 1:

@@ -177,3 +177,15 @@ def test_bad_checkpoints_fail_with_one_line(dirs, tmp_path):
     no_config = str(tmp_path / "empty")
     os.makedirs(no_config)
     assert "No config.json" in _error(no_config)
+
+
+def test_random_preset_classifiers_for_compile_checks():
+    """`random:<name>`: a one-label classifier of a preset's shape with random weights and the
+    tiny tokenizer; an unknown name is refused in one line listing the known ones."""
+    model, tokenizer = load_classifier("random:SmolLM2-135M", pad_id="tokenizer")
+    assert model.cfg.backbone.hidden_size == 576 and model.cfg.pad_id == tokenizer.pad_id
+    ids = np.asarray([tokenizer.hf.encode("Copy this: 12")], np.int32)
+    scores = np.asarray(model(ids, np.ones_like(ids)))
+    assert scores.shape == (1,) and np.isfinite(scores).all()
+    with pytest.raises(CheckpointError, match=r"unknown architecture 'Nope'.*SmolLM2-135M"):
+        classifier_config("random:Nope")
