@@ -82,6 +82,8 @@ LONG_FILES = (
     "agents/test_rollout.py",
     "sampling/test_resume.py",
     "agents/test_agent_cli.py",
+    "rl/test_teacher.py",
+    "rewards/test_reward_model.py",
 )
 
 
