@@ -70,8 +70,8 @@ def reward_model_calls(cfg: Any, mesh, fields: dict, text_len: int, rows: int) -
     out = []
     for i, source in reward_model_sources(cfg).items():
         options = cfg.rewards.functions[i][2] if len(cfg.rewards.functions[i]) > 2 else {}
-        batch = min(options.get("batch_size", DEFAULT_BATCH_SIZE), rows)
-        b = 1 << (batch - 1).bit_length()  # the reward model pads a batch to a power of two
+        batch_size = options.get("batch_size", DEFAULT_BATCH_SIZE)
+        b = bucket_length(min(batch_size, rows), 1, batch_size)  # as `RewardModel` pads one
         t = bucket_length(min(text_len, options.get("max_length", DEFAULT_MAX_LENGTH)))
         rm_cfg = classifier_config(source, **fields)
         model = abstract_classifier(rm_cfg)
