@@ -298,7 +298,8 @@ def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
         new_tokens=cfg.sampling.max_new_tokens,
         micro_batches=rl.num_minibatches * rl.grad_accum,
         grad_accum=rl.grad_accum,
-        reference=scores_reference(rl),
+        # The teacher as the KL's target replaces the reference: no copy is kept.
+        reference=scores_reference(rl) and not (cfg.teacher.enabled and cfg.teacher.as_reference),
         packed=rl.pack_completions,
     )
     return model_cfg, run
