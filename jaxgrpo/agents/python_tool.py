@@ -4,11 +4,13 @@ Each call is a fresh ``python -I -S`` process under every layer of ``rewards.cod
 (namespaces, resource limits, the audit hook, a killed process group past the timeout), with
 reads confined as well, since the output goes back to the model. Nothing carries over between
 calls. The result is the code's stdout, cut to ``MAX_OUTPUT_CHARS``, then the last line of the
-traceback when it raised; every failure is text the model reads, never an exception.
+traceback when it raised; every failure is text the model reads, never an exception, and a
+``FailedResult``, so the rollout counts the call as failed (``raised`` or ``timeout``).
 """
 
 from __future__ import annotations
 
+from jaxgrpo.agents.schema import FailedResult
 from jaxgrpo.rewards.code import run_sandboxed
 
 TIMEOUT_S = 5.0  # wall-clock seconds per call (CPU seconds are capped just above it)
@@ -40,8 +42,11 @@ def python(code: str) -> str:
     status, _, error = run.report.decode(errors="replace").rstrip("\n").partition(" ")
     if run.timed_out:
         lines.append(f"Error: the program ran longer than {TIMEOUT_S:g} s and was stopped")
-    elif status == "raised":
+        return FailedResult("\n".join(lines), "timeout")
+    if status == "raised":
         lines.append(error[:MAX_ERROR_CHARS])
-    elif status != "done":
+        return FailedResult("\n".join(lines), "raised")
+    if status != "done":
         lines.append("Error: the program ended before finishing (a crash or os._exit)")
+        return FailedResult("\n".join(lines), "raised")
     return "\n".join(lines) or NO_OUTPUT

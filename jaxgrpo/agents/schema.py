@@ -68,6 +68,19 @@ class ToolError(UserError, TypeError):
     (and the argument) and says what to change."""
 
 
+class FailedResult(str):
+    """A tool's result that words the tool's own failure (a program that raised or ran out
+    of time): the model reads the text as it is, and the rollout counts the call as failed
+    with ``kind`` (one of ``tools.ERROR_KINDS``). Called directly, the tool returns text."""
+
+    kind: str
+
+    def __new__(cls, text: str, kind: str = "raised") -> FailedResult:
+        result = super().__new__(cls, text)
+        result.kind = kind
+        return result
+
+
 def _callable_name(fn: Callable) -> str:
     name = getattr(fn, "__name__", None)
     if not isinstance(name, str) or not name.isidentifier():

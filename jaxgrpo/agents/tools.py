@@ -14,7 +14,9 @@ exception's ``str`` for one the tool raised) and an error kind the rollout count
 no check or conversion against the schema: a string where an ``int`` was hinted reaches the tool,
 and what the tool does with it is the tool's. A call whose arguments do not fit the signature
 (missing, unexpected) raises Python's ``TypeError``, reported as TRL reports it and counted as
-"bad_arguments".
+"bad_arguments". A tool may word its own failure for the model (``schema.FailedResult``: the
+``python`` tool's traceback line): the text is the result as it is, and the call counts as
+failed.
 
 Sync tools run one after another on the calling thread under ``rewards.limits.bounded``'s
 watchdog, which interrupts one past ``timeout_s`` (on the main thread only: elsewhere it runs
@@ -47,7 +49,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from jaxgrpo.agents.calculator import calc
 from jaxgrpo.agents.formats import ToolCall
 from jaxgrpo.agents.python_tool import python
-from jaxgrpo.agents.schema import ToolError, tool_schema
+from jaxgrpo.agents.schema import FailedResult, ToolError, tool_schema
 from jaxgrpo.core import aio
 from jaxgrpo.data.base import CHAT_ROW
 from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded
@@ -282,6 +284,7 @@ class Toolbox:
         if isinstance(value, BaseException):  # TRL's message: the exception's str
             return self._error("raised", str(value)[:_MAX_ERROR_CHARS])
         text = result_text(value)
+        failed = value.kind if isinstance(value, FailedResult) else None
         if len(text) > self.max_result_chars:
             return self._error(
                 "oversized",
@@ -294,7 +297,7 @@ class Toolbox:
                 "control_tokens",
                 f"Tool {name} returned text containing the control token {found!r}.",
             )
-        return ToolResult(text)
+        return ToolResult(str(text), failed)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,9 @@ def test_prints_come_back():
 
 
 def test_an_exception_gives_its_last_traceback_line_after_the_output():
-    assert python("print('before')\n1 / 0") == "before\nZeroDivisionError: division by zero"
+    raised = python("print('before')\n1 / 0")
+    assert raised == "before\nZeroDivisionError: division by zero" and raised.kind == "raised"
+    assert not hasattr(python("print(1)"), "kind"), "a program that ran is not a failure"
     assert python("def f(:\n    pass") == "SyntaxError: invalid syntax"
     assert python("import sys\nsys.exit(3)") == "SystemExit: 3"
     assert python("x = bytearray(10 * 1024**3)") == "MemoryError"
@@ -33,6 +35,7 @@ def test_an_endless_loop_is_stopped_and_its_earlier_output_kept(monkeypatch):
     out = python("print('started')\nwhile True:\n    pass")
     assert time.perf_counter() - t0 < 3.0, "the process group is killed at the timeout"
     assert out == "started\nError: the program ran longer than 1 s and was stopped"
+    assert out.kind == "timeout", "a stopped program counts as a failed call"
 
 
 @pytest.mark.parametrize(
@@ -78,4 +81,6 @@ def test_a_call_through_the_toolbox_returns_the_printed_text():
     assert Toolbox([python]).run(call, timeout_s=30.0) == ToolResult("45")
     failing = ToolCall(name="python", arguments={"code": "[][0]"}, raw="")
     result = Toolbox([python]).run(failing, timeout_s=30.0)
-    assert result == ToolResult("IndexError: list index out of range"), "its text, not an error"
+    # The model reads its text as it is; the call counts as a failed one.
+    assert result == ToolResult("IndexError: list index out of range", "raised")
+    assert type(result.text) is str

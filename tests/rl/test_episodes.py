@@ -69,9 +69,11 @@ def plain():
     return learner, rollout, state, params
 
 
-def _loss_and_grad(learner, params, batch, loss_type):
+def _loss_and_grad(learner, params, batch, loss_type, distill_coef=0.0):
     rl = dataclasses.replace(learner.rl, loss_type=loss_type)
-    spec = ObjectiveSpec.from_config(rl, learner.cfg.sampling, use_old_logp=False)
+    spec = ObjectiveSpec.from_config(
+        rl, learner.cfg.sampling, use_old_logp=False, distill_coef=distill_coef
+    )
     loss_fn = make_loss_fn(learner.programs.graphdef, spec)
     b = learner.rl.prompts_per_step
     idx = jnp.arange(b, dtype=jnp.int32)
@@ -142,6 +144,26 @@ def test_tool_results_are_attended_but_never_trained(plain, loss_type):
     other_ids = jnp.where(tool, (batch.tokens + 5) % 200, batch.tokens)
     loss3, _, _ = _loss_and_grad(learner, params, batch.replace(tokens=other_ids), loss_type)
     assert abs(loss3 - loss) > 1e-6, "the ids after a result must attend it"
+
+
+def test_tool_results_get_no_distillation_term(plain):
+    """A teacher's log-probs at the tool's ids change nothing (the term lives on the model's
+    ids alone); at the model's ids they move the loss."""
+    learner, rollout, state, params = plain
+    batch, _ = learner.prepare(state, rollout)
+    batch = batch.replace(teacher_logp=batch.ref_logp - 0.5)
+    loss, metrics, grad = _loss_and_grad(learner, params, batch, "dapo", distill_coef=0.5)
+    tool = (rollout.mask == 1) & (rollout.model_mask == 0)
+    model = rollout.model_mask == 1
+    noise = np.random.default_rng(2).normal(size=tool.shape).astype(np.float32) * 5
+    at_tool = batch.replace(teacher_logp=jnp.where(tool, noise, batch.teacher_logp))
+    loss2, metrics2, grad2 = _loss_and_grad(learner, params, at_tool, "dapo", distill_coef=0.5)
+    assert loss2 == pytest.approx(loss, rel=1e-6)
+    assert metrics2["distill_reverse_kl"] == pytest.approx(metrics["distill_reverse_kl"])
+    _close(grad2, grad, 1e-6)
+    at_model = batch.replace(teacher_logp=jnp.where(model, noise, batch.teacher_logp))
+    loss3, _, _ = _loss_and_grad(learner, params, at_model, "dapo", distill_coef=0.5)
+    assert abs(loss3 - loss) > 1e-4
 
 
 def test_packed_episodes_score_as_unpacked_ones(plain):
