@@ -181,7 +181,7 @@ def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
 def _teacher_line(cfg, learner) -> str | None:
     """The teacher's source, size and uses, for the run's header."""
     t, p = cfg.teacher, learner.programs
-    if p.teacher_weights is None:
+    if not t.enabled:
         return None
     uses = [f"distillation term x {t.distill_coef:g}"] * (t.distill_coef > 0)
     uses += [f"KL target (beta {cfg.rl.beta:g}) in place of the reference"] * p.kl_to_teacher
