@@ -277,8 +277,7 @@ class RewardSet:
         return np.where(scored, total, np.float32(np.nan)).astype(np.float32)
 
     def forget_logged(self) -> None:
-        """Empties ``logged_metrics`` / ``logged_extra``: a training step starts with what its
-        own scoring logs, not what an evaluation at the same step logged before it."""
+        """Empties ``logged_*``: a step keeps what its scoring logs, not an evaluation's."""
         self.logged_metrics, self.logged_extra = {}, {}
 
     def _log_extra(self, column: str, values: list) -> None:

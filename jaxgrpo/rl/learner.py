@@ -74,26 +74,12 @@ class Learner:
         self.sampler = SamplerSettings.from_config(
             cfg.sampling, tokenizer, num_samples=self.rl.group_size, stop_strings=stops
         )
-        self._temperature = self._make_temperature()
+        # step -> the step's temperature; step -> the rollout's (per position where scheduled)
+        self.step_temperature, self._temperature = schedules.rollout_temperatures(
+            cfg.sampling, cfg.steps
+        )
         self.buckets = ro.ShapeBuckets()
         self._warm: set[tuple[int, ...]] = set()  # prompt shapes whose later turns compiled
-
-    def _make_temperature(self) -> Callable[[int], float | np.ndarray]:
-        """Step -> the rollout's temperature: a float, or float32 [T] with a position schedule."""
-        sp = self.cfg.sampling
-        s, p, t = sp.temperature_schedule, sp.position_schedule, sp.max_new_tokens
-        per_step = schedules.build(
-            s.kind, init=sp.temperature, end=s.end, steps=s.steps or self.cfg.steps,
-            boundaries=s.boundaries, values=s.levels,
-        )  # fmt: skip
-        self.step_temperature = lambda step: float(per_step(step))
-        if p.kind == "constant":
-            return self.step_temperature
-        per_position = schedules.build(
-            p.kind, init=1.0, end=p.end, steps=p.steps or t, boundaries=p.boundaries,
-            values=p.levels,
-        )  # fmt: skip
-        return lambda step: np.asarray(schedules.temperatures(step, t, per_step, per_position))
 
     def init_state(self) -> TrainState:
         """A fresh state: initial trainable params, optimizer state, step 0, seeded RNG."""
@@ -143,16 +129,9 @@ class Learner:
         metrics["time/step_learner"] = time.perf_counter() - t_start
         p = self.programs
         fwd = int(p.needs_ref) + int(p.old_from == "forward")
-        metrics.update(
-            step_metrics.flop_metrics(
-                p.n_params,
-                rollout,
-                fwd,
-                p.updates_per_step,
-                metrics["time/step_learner"],
-                teacher_params=p.n_teacher_params,
-            )  # fmt: skip
-        )
+        passes, seconds = (fwd, p.updates_per_step), metrics["time/step_learner"]
+        flops = step_metrics.flop_metrics(p.n_params, rollout, *passes, seconds, p.n_teacher_params)
+        metrics.update(flops)
         return state, metrics, step_metrics.samples(rollout, extra["advantages"], step)
 
     def _end_phase(self) -> None:

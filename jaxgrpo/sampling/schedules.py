@@ -20,8 +20,10 @@ Example::
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 from jaxgrpo.core.shapes import Array
 
@@ -141,3 +143,25 @@ def temperatures(
     if position_schedule is not None:
         temp_T = temp_T * position_schedule(jnp.arange(num_tokens, dtype=jnp.float32))
     return temp_T
+
+
+def rollout_temperatures(sampling: Any, steps: int) -> tuple[Callable, Callable]:
+    """(step -> the step's base temperature, a float; step -> a rollout's temperature: that
+    float, or float32 [T] when a position schedule is set) of a run's sampling settings
+    (``temperature``, ``temperature_schedule``, ``position_schedule``, ``max_new_tokens``: a
+    ``SamplingConfig``) over a run of ``steps`` steps."""
+    s, p, t = sampling.temperature_schedule, sampling.position_schedule, sampling.max_new_tokens
+    per_step = build(
+        s.kind, init=sampling.temperature, end=s.end, steps=s.steps or steps,
+        boundaries=s.boundaries, values=s.levels,
+    )  # fmt: skip
+
+    def step_temperature(step: int) -> float:
+        return float(per_step(step))
+
+    if p.kind == "constant":
+        return step_temperature, step_temperature
+    per_position = build(
+        p.kind, init=1.0, end=p.end, steps=p.steps or t, boundaries=p.boundaries, values=p.levels
+    )
+    return step_temperature, lambda step: np.asarray(temperatures(step, t, per_step, per_position))
