@@ -51,6 +51,8 @@ def _rewards() -> ConfigDict:
     c = ConfigDict()
     # (name, weight[, kwargs]): weight a float or a curriculum dict (jaxgrpo.rewards.Curriculum:
     # kind constant/linear/step/cosine, start, end, start_step, end_step); kwargs bound to the fn.
+    # A name that is a directory or hub id "org/name" is a reward model (kwargs: batch_size,
+    # max_length); () only with a teacher's distillation term
     c.functions = (("format_copy", 1.0),)
     c.reward_on_error = "none"  # a reward fn that raises: "none" scores None, "raise" stops the run
     c.max_failed_steps = 3  # stop once a reward fn fails every sample of this many steps in a row
