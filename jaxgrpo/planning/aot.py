@@ -89,10 +89,6 @@ def abstract_learner(
     return Learner(cfg, abstract_model(model_cfg, mesh), tok, task, None, mesh, agent, teacher)
 
 
-def _abstract_like(x, sharding_):
-    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_)
-
-
 @dataclasses.dataclass
 class Program:
     """One compiled program of the step and what the report says about it.
@@ -204,19 +200,19 @@ def _decode(learner, name, decode, first, state, knobs, calls, f, t) -> tuple[Pr
     output is ``state``), and its own abstract output."""
     step, mesh = learner.programs, learner.mesh
     if first.compiled is not None:
-        state = jax.tree.map(_abstract_like, state, first.compiled.output_shardings)
+        state = jax.tree.map(abstract_array, state, first.compiled.output_shardings)
     else:  # prefill did not fit: rows over data x fsdp, as the compiler would place them
         rows = lambda x: (
             sharding.batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else step.replicated
         )  # noqa: E731
-        state = jax.tree.map(lambda x: _abstract_like(x, rows(x)), state)
+        state = jax.tree.map(lambda x: abstract_array(x, rows(x)), state)
     decode_w = flops.weight_bytes(step.model_cfg) / mesh.shape["tensor"] * t  # once per token
     states = (step.params0, step.frozen)
     second = _compile(f"{name}/decode", decode, (states, state, knobs), calls, f, decode_w, t)
     out = None
     if second.compiled is not None:
         out = jax.eval_shape(decode, states, state, knobs)
-        out = jax.tree.map(_abstract_like, out, second.compiled.output_shardings)
+        out = jax.tree.map(abstract_array, out, second.compiled.output_shardings)
     return second, out
 
 
@@ -330,9 +326,7 @@ def compile_step(
     mesh = sharding.make_mesh(shape, devices)
     model_cfg = model_config(cfg.model, platform)
     others = memory.second_models(cfg, platform)
-    sources = {"teacher": cfg.teacher.source} | {
-        f"reward_model[{i}]": source for i, source in memory.reward_model_sources(cfg).items()
-    }
+    sources = memory.second_model_sources(cfg)
     learner = abstract_learner(cfg, mesh, model_cfg, others)
     tool_tokens = tool_prompt_tokens(learner.agent)
     p, t = bucket_length(prompt_len + tool_tokens), cfg.sampling.max_new_tokens
@@ -358,7 +352,7 @@ def compile_step(
         remat_policy=model_cfg.remat_policy,
         layer_loop=model_cfg.layout.layer_loop,
         second_models={
-            name: {"source": sources[name], "params": memory.base_param_count(m)}
+            name: {"source": sources[name][1], "params": memory.base_param_count(m)}
             for name, m in others.items()
         },
     )

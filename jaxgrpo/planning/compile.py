@@ -250,16 +250,17 @@ def check_second_models(cfg: Any, mesh: dict[str, int], preset, prompt_len: int)
     est = memory.estimate(model_cfg, run, mesh, preset.hbm_bytes, others)
     static = sum(est[k] for k in ("params", "grads", "opt_state", "ref_params", *others))
     usable = 0.9 * preset.hbm_bytes
-    for name in others:
-        if static > usable:
-            key = "teacher.source" if name == "teacher" else f"rewards.functions{name[12:]}"
-            bf16 = ", set model.param_dtype='bfloat16'" * (cfg.model.param_dtype == "float32")
-            raise ValueError(
-                f"{key}: the {name}'s weights ({_gib(est[name])} GiB per chip) and the policy's "
-                f"state ({_gib(static - est[name])} GiB) exceed {_gib(usable)} GiB per chip on "
-                f"{preset.name} (mesh {mesh}): raise mesh.fsdp or mesh.tensor{bf16}, or use a "
-                "larger slice"
-            )
+    if not others or static <= usable:
+        return
+    name = max(others, key=lambda n: est[n])  # the largest second model is named
+    key = memory.second_model_sources(cfg)[name][0]
+    bf16 = ", set model.param_dtype='bfloat16'" * (cfg.model.param_dtype == "float32")
+    raise ValueError(
+        f"{key}: the {name}'s weights ({_gib(est[name])} GiB per chip) and the policy's "
+        f"state ({_gib(static - est[name])} GiB) exceed {_gib(usable)} GiB per chip on "
+        f"{preset.name} (mesh {mesh}): raise mesh.fsdp or mesh.tensor{bf16}, or use a "
+        "larger slice"
+    )
 
 
 def table_rows(reports: list[dict]) -> str:

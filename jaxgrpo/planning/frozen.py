@@ -78,9 +78,7 @@ def reward_model_calls(cfg: Any, mesh, fields: dict, text_len: int, rows: int) -
         model.backbone.shard_ctx = sharding.ShardingCtx(mesh, sharding.TRAIN_RULES)
         state = nnx.split(model)[1]
         shardings = sharding.param_shardings(state, mesh, sharding.TRAIN_RULES)
-        state = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
-        )
+        state = jax.tree.map(abstract_array, state, shardings)
         ids = abstract_array(np.zeros((b, t), np.int32), sharding.batch_sharding(mesh, b, 2))
         backbone = rm_cfg.backbone
         f = (flops.prefill(backbone, b, t),) * 2

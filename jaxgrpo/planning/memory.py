@@ -264,17 +264,28 @@ def _activations(cfg: ModelConfig, run: RunShape, rows_split: int, tensor: int) 
 
 def second_models(cfg: Any, platform: str = "tpu") -> dict[str, ModelConfig]:
     """The frozen second models of a ``TrainConfig`` that live on its devices, by the name of
-    their memory part, in the policy's dtypes: ``teacher`` (``cfg.teacher``) and
-    ``reward_model[i]``, the backbone of ``rewards.functions[i]`` when it names a reward model
-    (its score head, one row, is left out)."""
-    out = {}
+    their memory part (``second_model_sources``), in the policy's dtypes; a reward model's is
+    its backbone (its score head, one row, is left out)."""
     frozen = dataclasses.replace(cfg.model, lora_rank=0)
-    if cfg.teacher.enabled:
-        out["teacher"] = run_model_config(frozen, platform, source=cfg.teacher.source)
     fields = model_fields(frozen, platform)
     dtypes = {k: fields[k] for k in ("dtype", "param_dtype", "layout")}
+    out = {}
+    for name, (_, source) in second_model_sources(cfg).items():
+        if name == "teacher":
+            out[name] = run_model_config(frozen, platform, source=source)
+        else:
+            out[name] = classifier_config(source, **dtypes).backbone
+    return out
+
+
+def second_model_sources(cfg: Any) -> dict[str, tuple[str, str]]:
+    """name -> (config key, source) of each second model: ``teacher`` (``teacher.source``, when
+    the run uses one) and ``reward_model[i]`` (``rewards.functions[i]`` naming a reward model)."""
+    out = {}
+    if cfg.teacher.enabled:
+        out["teacher"] = ("teacher.source", cfg.teacher.source)
     for i, source in reward_model_sources(cfg).items():
-        out[f"reward_model[{i}]"] = classifier_config(source, **dtypes).backbone
+        out[f"reward_model[{i}]"] = (f"rewards.functions[{i}]", source)
     return out
 
 

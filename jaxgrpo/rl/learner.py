@@ -335,15 +335,18 @@ class Learner:
         loss_mask = trained * (~truncated[:, None]) if self.rl.mask_truncated else trained
         rewards = r.rewards
         extra: dict[str, Any] = {}
-        forward = p.old_from == "forward"
-        behaviour = sharding.to_host(old_logp) if forward else r.logprobs[:, :t]
+        kl_in_reward = (p.needs_ref or p.kl_to_teacher) and self.rl.kl_in_reward
+        behaviour = None  # on the host only where a teacher or the KL in the reward reads it
+        if teacher_logp is not None or kl_in_reward:
+            forward = p.old_from == "forward"
+            behaviour = sharding.to_host(old_logp) if forward else r.logprobs[:, :t]
         if p.kl_to_teacher:
             ref_logp = teacher_logp
         if teacher_logp is not None:
             extra["teacher"] = step_metrics.teacher_metrics(
                 behaviour, sharding.to_host(teacher_logp), trained, r.correct
             )
-        if (p.needs_ref or p.kl_to_teacher) and self.rl.kl_in_reward:
+        if kl_in_reward:
             penalized, kl_R = kl_penalized_rewards(
                 rewards, behaviour, sharding.to_host(ref_logp), trained, self.rl.beta
             )

@@ -289,7 +289,7 @@ class StepPrograms:
             ref_params=self.params0 if self.ref_in_state else None,
             skipped=scalar,
         )
-        return jax.tree.map(_abstract_like, abstract, self.state_sh)
+        return jax.tree.map(abstract_array, abstract, self.state_sh)
 
     def abstract_batch(self, prompt_len: int, t: int) -> ro.RolloutBatch:
         """The update's rollout batch at its largest: prompts [B, P], completions [N, T]."""
@@ -314,11 +314,9 @@ class StepPrograms:
 
 
 def abstract_array(x, sharding_) -> jax.ShapeDtypeStruct:
-    """A host array's shape and dtype on ``sharding_``."""
-    return jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype, sharding=sharding_)
-
-
-def _abstract_like(x, sharding_) -> jax.ShapeDtypeStruct:
+    """The shape and dtype of ``x`` (a host array, an array or an abstract one) on
+    ``sharding_``."""
+    x = x if hasattr(x, "dtype") else np.asarray(x)
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_)
 
 
