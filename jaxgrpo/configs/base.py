@@ -127,6 +127,19 @@ def _rl() -> ConfigDict:
     c.ref_reset_optimizer = False  # also reset the optimizer state at a reference reset
     c.entropy_coef = 0.0  # entropy bonus coefficient (0 = off)
     c.tis_cap = 0.0  # truncated importance-sampling cap on sampler/trainer ratio; 0 = off
+    # Asynchronous rollouts (rl/pipeline.py): the policy versions a batch may be behind the
+    # learner (TRL's AsyncGRPOTrainer name); 0 = the synchronous loop, 1 = one step off
+    c.max_staleness = 0
+    # how the lag is bounded: "wait" (the sampler samples batch n with the weights of step
+    # n - max_staleness, waiting for them: reproducible) or "drop" (it samples with the newest
+    # weights it has and the learner drops batches older than max_staleness)
+    c.stale_batches = "wait"
+    # the loss's correction for the lag, with r = pi_learner / pi_sampler per token: "tis"
+    # (clip against the learner's policy, weight min(r, lag_cap): decoupled PPO), "mask"
+    # (weight r inside [lag_floor, lag_cap], 0 outside: IcePop) or "clip" (PPO's clip of r)
+    c.lag_correction = "tis"
+    c.lag_cap = 2.0  # "tis"'s truncation and "mask"'s upper edge (>= 1)
+    c.lag_floor = 0.5  # "mask"'s lower edge (in (0, 1])
     return c
 
 
@@ -151,6 +164,10 @@ def _mesh() -> ConfigDict:
     c.coordinator_address = ""  # jax.distributed coordinator "host:port"; "" = env / auto (TPU)
     c.num_processes = 0  # processes (hosts); 0 = from env (else 1), -1 = JAX discovers (TPU pods)
     c.process_id = -1  # this process's index; -1 = env / auto
+    # devices of their own for the sampler (the slice's last N; the learner's mesh gets the
+    # rest), holding a copy of the weights refreshed after every update; needs
+    # rl.max_staleness >= 1; 0 = the sampler shares the learner's devices
+    c.sampler_devices = 0
     return c
 
 

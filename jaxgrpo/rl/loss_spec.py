@@ -11,6 +11,9 @@ from jaxgrpo.core.shapes import Array
 SURROGATES = ("clip", "reinforce")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "constant")
 RATIO_LEVELS = ("token", "sequence")
+# How the loss corrects for a batch sampled by an older policy (``rl.lag_correction``).
+LAG_CORRECTIONS = ("tis", "mask", "clip")
+STALE_BATCHES = ("wait", "drop")
 
 
 @dataclasses.dataclass(frozen=True)

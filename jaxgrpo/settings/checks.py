@@ -29,7 +29,7 @@ from jaxgrpo.rewards.reward_model import is_model_source
 from jaxgrpo.rl.advantages import BASELINES, SCALES
 from jaxgrpo.rl.batch_layout import check_batch_layout
 from jaxgrpo.rl.kl import KL_ESTIMATORS
-from jaxgrpo.rl.loss_spec import LOSS_PRESETS
+from jaxgrpo.rl.loss_spec import LAG_CORRECTIONS, LOSS_PRESETS, STALE_BATCHES
 from jaxgrpo.sampling.schedules import SCHEDULES
 from jaxgrpo.sampling.stop_strings import check_stop_strings
 
@@ -218,6 +218,37 @@ def _check_rl(cfg: ConfigDict) -> None:
         msg = "needs rl.ref_reset_every > 0"
         _require(r.ref_reset_every > 0, "rl.ref_reset_optimizer", msg, True)
     check_batch_layout(r, None)
+    _check_lag(cfg)
+
+
+def _check_lag(cfg: ConfigDict) -> None:
+    """Asynchronous rollouts: the lag bound, its correction and what it cannot serve."""
+    r, m = cfg.rl, cfg.mesh
+    _require(r.max_staleness >= 0, "rl.max_staleness", "must be >= 0", r.max_staleness)
+    _one_of(cfg, "rl.stale_batches", STALE_BATCHES)
+    _one_of(cfg, "rl.lag_correction", LAG_CORRECTIONS)
+    _require(r.lag_cap >= 1, "rl.lag_cap", "must be >= 1", r.lag_cap)
+    _require(0 < r.lag_floor <= 1, "rl.lag_floor", "must be in (0, 1]", r.lag_floor)
+    _require(m.sampler_devices >= 0, "mesh.sampler_devices", "must be >= 0", m.sampler_devices)
+    if r.max_staleness == 0:
+        msg = "needs rl.max_staleness >= 1 (a synchronous loop has no stale batches to drop)"
+        _require(r.stale_batches == "wait", "rl.stale_batches", msg, r.stale_batches)
+        msg = (
+            "needs rl.max_staleness >= 1 (a synchronous sampler on devices of its own would "
+            "leave the learner's idle while it samples)"
+        )
+        _require(m.sampler_devices == 0, "mesh.sampler_devices", msg, m.sampler_devices)
+        return
+    msg = (
+        "must be 0 when rl.max_staleness >= 1: rl.lag_correction weighs the same "
+        "learner/sampler ratio (set rl.lag_cap instead)"
+    )
+    _require(r.tis_cap == 0, "rl.tis_cap", msg, r.tis_cap)
+    msg = (
+        "must be 1 (one process) when rl.max_staleness >= 1: the sampler's and the learner's "
+        "threads would issue collectives in different orders on different hosts"
+    )
+    _require(m.num_processes in (0, 1), "mesh.num_processes", msg, m.num_processes)
 
 
 def _check_eval(cfg: ConfigDict) -> None:
@@ -300,6 +331,10 @@ def check_mesh(cfg: Any, num_devices: int | None) -> dict[str, int]:
     fills = [k for k, v in sizes.items() if v == -1]
     _require(len(fills) <= 1, f"mesh.{fills[-1] if fills else 'data'}", "at most one -1", -1)
     known = math.prod(v for v in sizes.values() if v != -1)
+    if num_devices is not None and m.sampler_devices > 0:
+        msg = f"leaves the learner no devices of the {num_devices}"
+        _require(m.sampler_devices < num_devices, "mesh.sampler_devices", msg, m.sampler_devices)
+        num_devices -= m.sampler_devices  # the learner's mesh
     if num_devices is not None:
         ok = num_devices % known == 0 if fills else known == num_devices
         _require(ok, "mesh", f"axis sizes do not fit {num_devices} devices", sizes)
@@ -310,6 +345,17 @@ def check_mesh(cfg: Any, num_devices: int | None) -> dict[str, int]:
     msg = "must be >= -1 (0 = from env, -1 = JAX discovers)"
     _require(m.num_processes >= -1, "mesh.num_processes", msg, m.num_processes)
     return sizes
+
+
+def sampler_mesh_shape(cfg: Any, learner_shape: dict[str, int]) -> dict[str, int]:
+    """The sampler's own mesh over ``mesh.sampler_devices`` devices: the learner's tensor
+    axis (a device holds the same slice of every layer on both sides), as much of its fsdp
+    axis as divides the rest, and data over what is left."""
+    n, tensor = cfg.mesh.sampler_devices, learner_shape["tensor"]
+    msg = f"must be a multiple of mesh.tensor = {tensor} (the sampler keeps the tensor axis)"
+    _require(n % tensor == 0, "mesh.sampler_devices", msg, n)
+    fsdp = math.gcd(learner_shape["fsdp"], n // tensor)
+    return {"data": n // (tensor * fsdp), "fsdp": fsdp, "tensor": tensor}
 
 
 def validate(cfg: ConfigDict, num_devices: int | None = None) -> None:

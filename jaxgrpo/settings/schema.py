@@ -117,6 +117,11 @@ class RLConfig:
     ref_reset_optimizer: bool
     entropy_coef: float
     tis_cap: float
+    max_staleness: int
+    stale_batches: str
+    lag_correction: str
+    lag_cap: float
+    lag_floor: float
 
     @property
     def batch_size(self) -> int:
@@ -153,6 +158,7 @@ class MeshConfig:
     coordinator_address: str
     num_processes: int
     process_id: int
+    sampler_devices: int
 
     def shape(self) -> dict[str, int]:
         """Axis sizes as the dict ``jaxgrpo.core.sharding.make_mesh`` takes (-1 unresolved)."""
