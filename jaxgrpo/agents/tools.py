@@ -18,10 +18,10 @@ and what the tool does with it is the tool's. A call whose arguments do not fit 
 ``python`` tool's traceback line): the text is the result as it is, and the call counts as
 failed.
 
-Sync tools run one after another on the calling thread under ``rewards.limits.bounded``'s
-watchdog, which interrupts one past ``timeout_s`` (on the main thread only: elsewhere it runs
-unbounded). ``async def`` tools are awaited: the turn's coroutines run concurrently on one event
-loop (``core.aio.gather``), each bounded by ``timeout_s`` on any thread.
+Sync tools run one after another under ``rewards.limits.bounded_call``, whose watchdog stops
+one past ``timeout_s`` on any thread (off the main thread, one blocked in C code is left behind
+at its limit). ``async def`` tools are awaited: the turn's coroutines run concurrently on one
+event loop (``core.aio.gather``), each bounded by ``timeout_s`` on any thread.
 
 A result is ``str(value)``, as TRL writes a non-string result into the ``tool`` message (a list
 of ``{"type": "text", "text": ...}`` content blocks is its texts, joined). One larger than
@@ -52,7 +52,7 @@ from jaxgrpo.agents.python_tool import python
 from jaxgrpo.agents.schema import FailedResult, ToolError, tool_schema
 from jaxgrpo.core import aio
 from jaxgrpo.data.base import CHAT_ROW
-from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded
+from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded_call
 
 ERROR_KINDS = (
     "malformed_call",  # the call could not be read (bad JSON, no name, unclosed tag)
@@ -265,8 +265,7 @@ class Toolbox:
         if fn is None:
             return self._error("unknown_tool", f"Tool {name} not found.")
         try:
-            with bounded(timeout_s):
-                value = fn(**arguments)
+            value = bounded_call(lambda: fn(**arguments), timeout_s)
         except RewardLimitExceeded:
             value = aio.LimitExceeded()
         except Exception as e:

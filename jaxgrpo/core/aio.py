@@ -5,7 +5,9 @@ loop that runs on a daemon thread; so does jaxgrpo. The loop is started on first
 side effect) and lives as long as the process, so an environment may keep loop-bound state (an
 HTTP client) across calls. ``gather`` hands it a batch of coroutines, which run concurrently,
 each under its own wall-time limit (``asyncio.timeout``: no signal is involved, so the limit
-holds whichever thread waits, main or not).
+holds whichever thread waits, main or not). The waiting thread waits in short slices, so that a
+limit of ``rewards.limits`` on it (which, off the main thread, lands only between bytecodes) ends
+the wait; the coroutines are then cancelled.
 
 What no limit can stop: a coroutine that blocks the loop without awaiting (``time.sleep``, a
 busy loop). The caller stops waiting for it at its limit plus ``_GRACE_S`` and reports a timeout,
@@ -18,10 +20,12 @@ import asyncio
 import concurrent.futures
 import inspect
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 _GRACE_S = 1.0  # the caller's wait past the limit before it gives up on a blocked loop
+_SLICE_S = 0.05  # the caller waits in slices this long, so that a limit can interrupt it
 _lock = threading.Lock()
 _loop: asyncio.AbstractEventLoop | None = None
 
@@ -80,10 +84,27 @@ def gather(coroutines: Sequence[Awaitable], timeout_s: float = 0.0) -> list[Any]
 
     future = asyncio.run_coroutine_threadsafe(run_all(), event_loop())
     try:
-        return future.result(timeout_s + _GRACE_S if timeout_s > 0 else None)
+        return _wait(future, timeout_s + _GRACE_S if timeout_s > 0 else None)
     except concurrent.futures.TimeoutError:
         future.cancel()
         return [LimitExceeded(f"no result within {timeout_s:g} s")] * len(coroutines)
+    except BaseException:  # this thread was interrupted (``rewards.limits``): they stop too
+        future.cancel()
+        raise
+
+
+def _wait(future: concurrent.futures.Future, limit_s: float | None) -> Any:
+    """``future.result(limit_s)``, waited for in slices of ``_SLICE_S``: an exception raised
+    in this thread asynchronously (``rewards.limits.bounded`` off the main thread) lands only
+    between bytecodes, never inside one long wait."""
+    deadline = None if limit_s is None else time.monotonic() + limit_s
+    while True:
+        left = _SLICE_S if deadline is None else min(_SLICE_S, deadline - time.monotonic())
+        try:
+            return future.result(max(left, 0.0))
+        except concurrent.futures.TimeoutError:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
 
 
 def resolve(value: Any, timeout_s: float = 0.0) -> Any:

@@ -5,9 +5,10 @@ where that raised, so only the offending samples fail), ``acall`` for an ``async
 TRL's GRPOTrainer awaits coroutine reward functions (an LLM judge over HTTP, say) on an event
 loop of their own, a daemon thread, with ``asyncio.gather``; jaxgrpo's one such loop is
 ``core.aio``'s, which tools and environments use too. ``rewards.timeout_s`` bounds each
-function (on that loop, whichever thread waits); ``rewards.max_memory_gb`` bounds the group, on
-the main thread, through ``limits.bounded``. A function that blocks the loop without awaiting
-cannot be stopped: the wait for it ends at its limit and it scores as timed out.
+function (on that loop, whichever thread waits); ``rewards.max_memory_gb`` bounds the group,
+through ``limits.bounded`` around the wait (on any thread: the wait is in slices an interrupt
+can land between). A function that blocks the loop without awaiting cannot be stopped: the wait
+for it ends at its limit and it scores as timed out.
 """
 
 from __future__ import annotations

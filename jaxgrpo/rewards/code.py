@@ -246,5 +246,10 @@ def code_tests(
         return sum(passed) / len(passed)
 
     jobs = list(zip(completions, tests, setups, strict=True))
-    with concurrent.futures.ThreadPoolExecutor(max(1, min(max_workers, len(jobs)))) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(max(1, min(max_workers, len(jobs))))
+    try:
         return list(pool.map(score, jobs))
+    finally:
+        # A call stopped by a limit (``rewards.limits``) drops the samples not yet started
+        # rather than run them for nobody; those running end at their own timeout.
+        pool.shutdown(wait=False, cancel_futures=True)

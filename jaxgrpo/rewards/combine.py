@@ -23,7 +23,7 @@ from jaxgrpo.core.errors import UserError
 from jaxgrpo.rewards import calls
 from jaxgrpo.rewards.curriculum import CURRICULUM_KINDS, Curriculum
 from jaxgrpo.rewards.inputs import RewardInputs
-from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded
+from jaxgrpo.rewards.limits import RewardLimitExceeded, bounded_call
 from jaxgrpo.rewards.registry import get_reward, reward_name
 
 RewardFn = Callable[..., list]
@@ -111,9 +111,10 @@ class RewardSet:
       conversational: whether ``score`` gives user functions TRL's conversational prompts and
         completions (lists of messages) rather than strings: True, False, or ``"auto"``: where
         the data's rows are chats (``RewardInputs.conversational``, TRL's rule).
-      timeout_s / max_memory_gb: limits on each call of each function (``limits.bounded``;
-        0 = none). A call past one scores all its samples None (failed) and is logged once per
-        function; it never stops the run by itself (``max_failed_steps`` still applies).
+      timeout_s / max_memory_gb: limits on each call of each function (``limits.bounded_call``,
+        from any thread; 0 = none). A call past one scores all its samples None (failed) and is
+        logged once per function; it never stops the run by itself (``max_failed_steps`` still
+        applies).
         ``async def`` functions run together, each with ``timeout_s`` (``calls``).
 
     Attributes:
@@ -312,8 +313,11 @@ class RewardSet:
         None."""
         on = self.on_error != "raise"
         try:
-            with bounded(self.timeout_s, self.max_memory_gb):
-                values, errors = calls.call(term.fn, prompts, completions, columns, context, on)
+            values, errors = bounded_call(
+                lambda: calls.call(term.fn, prompts, completions, columns, context, on),
+                self.timeout_s,
+                self.max_memory_gb,
+            )
         except RewardLimitExceeded as stop:
             return self._limited(term, str(stop), len(completions))
         except Exception as error:  # only with on_error="raise"

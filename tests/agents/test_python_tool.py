@@ -3,6 +3,7 @@ an exception as its traceback's last line, and every limit as text rather than a
 
 from __future__ import annotations
 
+import concurrent.futures
 import time
 
 import pytest
@@ -84,3 +85,22 @@ def test_a_call_through_the_toolbox_returns_the_printed_text():
     # The model reads its text as it is; the call counts as a failed one.
     assert result == ToolResult("IndexError: list index out of range", "raised")
     assert type(result.text) is str
+
+
+def test_on_a_worker_thread_the_tool_timeout_stops_the_program():
+    """Off the main thread (the producer thread of asynchronous rollouts) a program past
+    ``agent.tool_timeout_s``, shorter than the sandbox's own ``TIMEOUT_S``, is stopped at it
+    (its process group killed as the call unwinds), and the thread runs the next call."""
+    box, spin = Toolbox([python]), ToolCall("python", {"code": "while True:\n    pass"}, "")
+
+    def work():
+        t0 = time.perf_counter()
+        result = box.run(spin, timeout_s=0.5)
+        took = time.perf_counter() - t0
+        return result, took, box.call("python", {"code": "print(6 * 7)"}, 30.0)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result, took, after = pool.submit(work).result(timeout=60)
+    assert result == ToolResult("{'error': 'Tool python timed out after 0.5 s.'}", "timeout")
+    assert took < python_tool.TIMEOUT_S - 2, "the tool's limit, not the sandbox's"
+    assert after == ToolResult("42")

@@ -3,6 +3,8 @@ failure into the error text TRL's tool loop gives the model and one counted erro
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import time
 
 import pytest
@@ -175,6 +177,65 @@ def test_a_call_past_its_time_limit_is_interrupted_quickly(box):
     assert result == ToolResult("{'error': 'Tool nap timed out after 0.2 s.'}", "timeout")
     assert time.perf_counter() - t0 < 2.0
     assert box.call("nap", {"seconds": 0}, timeout_s=0.2) == ToolResult("awake")
+
+
+def spin(rounds: int) -> str:
+    """Counts without end.
+
+    Args:
+        rounds: Where to start.
+    """
+    while True:
+        rounds += 1
+
+
+async def drift(seconds: float) -> str:
+    """Awaits a sleep.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "back"
+
+
+class StallEnv:
+    """An environment whose one tool sleeps."""
+
+    def stall(self, seconds: float) -> str:
+        """Sleeps.
+
+        Args:
+            seconds: How long.
+        """
+        time.sleep(seconds)
+        return "back"
+
+
+@pytest.mark.parametrize(
+    ("name", "arguments"),
+    [
+        ("nap", {"seconds": 5}),  # a sync function blocked in C code (a sleep)
+        ("spin", {"rounds": 0}),  # one looping in Python
+        ("stall", {"seconds": 5}),  # an environment's method
+        ("drift", {"seconds": 5}),  # an async def tool
+    ],
+)
+def test_a_call_past_its_time_limit_is_stopped_on_a_worker_thread(name, arguments):
+    """As the producer thread of asynchronous rollouts runs them, every kind of tool is
+    stopped at ``agent.tool_timeout_s``, and the thread then runs a call correctly."""
+    box = Toolbox([nap, spin, drift], StallEnv())
+
+    def work():
+        t0 = time.perf_counter()
+        result = box.call(name, arguments, 0.3)
+        return result, time.perf_counter() - t0, box.call("nap", {"seconds": 0}, 0.3)
+
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        result, took, after = pool.submit(work).result(timeout=30)
+    assert result == ToolResult(f"{{'error': 'Tool {name} timed out after 0.3 s.'}}", "timeout")
+    assert took < 1.5, "stopped at its limit (a sleep: left behind at it)"
+    assert after == ToolResult("awake")
 
 
 def test_an_oversized_result_is_refused():
