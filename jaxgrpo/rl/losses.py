@@ -34,6 +34,14 @@ clip + token_mean; ``dr_grpo`` = clip + constant and advantages without std scal
 GRPO; ``LossSpec.adv_scale``); ``gr_reinforce`` = reinforce +
 seq_mean_token_mean; ``gspo`` = clip at sequence level + seq_mean_token_mean.
 
+Lag correction (asynchronous rollouts, ``rl.max_staleness >= 1``): the batch was sampled by a
+policy up to k optimizer steps older than the learner's. With ``r = exp(proximal - sampler)``
+per token, no gradient (proximal: the learner's policy at the start of the step), the policy
+term is weighted by ``truncated_is_weights`` (``min(r, cap)``, decoupled PPO) or
+``masked_is_weights`` (``r`` inside ``[floor, cap]``, 0 outside: IcePop), the clip staying
+against the proximal policy; or the ratio itself is taken against the sampler's log-probs
+(plain PPO). ``jaxgrpo.rl.objective.lag_correction`` picks one and reports its weights.
+
 Global normaliser: ``num_tokens`` and ``num_sequences`` default to the counts of the arrays
 passed in. When one optimizer step is split into micro-batches or sharded over devices/hosts,
 pass the counts of the **whole step** (``loss_normalizers(full_mask)``) and **sum** the
@@ -168,6 +176,29 @@ def truncated_is_weights(old_logp: Array, sampler_logp: Array, cap) -> Array:
       ``[R, T]`` weights.
     """
     return jax.lax.stop_gradient(jnp.minimum(jnp.exp(old_logp - sampler_logp), cap))
+
+
+def masked_is_weights(old_logp: Array, sampler_logp: Array, floor, cap) -> Array:
+    """Masked importance weights: ``r = exp(old_logp - sampler_logp)`` where
+    ``floor <= r <= cap``, else 0; no gradient.
+
+    IcePop's (and prime-rl's) answer to a stale or mismatched sampler: a token whose ratio left
+    the band is dropped from the policy gradient rather than kept at a truncated weight, since
+    its sample says little about the learner's policy; inside the band it is reweighted
+    exactly. Pass the result as ``policy_loss(..., is_weights=...)``.
+
+    Args:
+      old_logp: ``[R, T]`` trainer log-probs of the proximal (learner's) policy.
+      sampler_logp: ``[R, T]`` log-probs the sampler reported for the same tokens.
+      floor: lower edge of the band, in ``(0, 1]`` (may be traced).
+      cap: upper edge of the band, ``>= 1`` (may be traced).
+
+    Returns:
+      ``[R, T]`` weights.
+    """
+    ratio_RT = jnp.exp(old_logp - sampler_logp)
+    keep_RT = (ratio_RT >= floor) & (ratio_RT <= cap)
+    return jax.lax.stop_gradient(jnp.where(keep_RT, ratio_RT, jnp.zeros_like(ratio_RT)))
 
 
 def _log_ratio_RT(logp_RT, old_RT, valid_RT, ratio_level):

@@ -67,7 +67,8 @@ class StepPrograms:
         needs_ref: the run scores a reference policy (a KL term not aimed at the teacher).
         kl_to_teacher: the KL term's target is the teacher's log-probs.
         teacher_weights: the teacher's (params, rest), or None without a teacher.
-        old_from: where behaviour log-probs come from ("none", "sampler" or "forward").
+        old_from: where behaviour log-probs come from ("none": the loss needs none of the
+            batch's, "sampler" or "forward").
         logprobs / teacher_logprobs / update / advance / copy / zero / opt_init: the compiled
             programs.
     """
@@ -139,9 +140,18 @@ class StepPrograms:
             )
 
     def _old_logp_source(self) -> str:
-        """Where behaviour log-probs come from when an update is not on-policy."""
+        """Where behaviour log-probs come from when an update is not on-policy.
+
+        Synchronous, the sampler's are the learner's own in float32 (no forward needed)
+        unless TIS weighs the two against each other. Under a lag (`rl.max_staleness >= 1`)
+        the sampler's belong to an older policy: "tis" and "mask" weigh against the
+        learner's policy at the start of the step, so they need its forward; "clip" takes
+        the ratio against the sampler's log-probs, which the loss reads itself.
+        """
         if self.updates_per_step == 1:
             return "none"  # on-policy: the loss uses stop_gradient(logp) of its own pass
+        if self.rl.max_staleness > 0:
+            return "none" if self.rl.lag_correction == "clip" else "forward"
         exact = self.model_cfg.dtype == "float32" and self.rl.tis_cap <= 0
         return "sampler" if exact else "forward"
 

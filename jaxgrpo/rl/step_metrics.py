@@ -17,6 +17,11 @@ Key names (the logger's progress bar and dead-run check read the first group):
     completion/stop_<reason>_frac    LENGTH / STOP_TOKEN / REPETITION
     entropy, loss, policy_loss, kl_loss, clip_frac{,_low,_high}, ratio_{mean,min,max},
     grad_norm, sampler_logp_gap{,_max}, update_skipped       averaged over the step's updates
+    lag/{is_weight_mean,is_weight_max,is_clipped_frac,ess}   asynchronous runs
+                                (rl.max_staleness >= 1): the lag correction's weights w on
+                                the trained tokens (for "clip", r = pi_learner / pi_sampler),
+                                the fraction truncated, masked or outside the clip range,
+                                and (sum w)^2 / (n sum w^2); the max over updates, else means
     updates, micro_batches      optimizer updates of the step; micro-batches in each
                                 (`Learner.micro_batches`)
     tokens_per_s                generated tokens per second of sampling
@@ -48,14 +53,22 @@ from jaxgrpo.sampling import StopReason
 
 LENGTH = int(StopReason.LENGTH)
 _UPDATE_RENAMES = {"kl_mean": "kl/mean", "entropy_mean": "entropy"}
-_UPDATE_MINMAX = {"ratio_min": min, "ratio_max": max, "sampler_logp_gap_max": max}
+_UPDATE_MINMAX = {
+    "ratio_min": min,
+    "ratio_max": max,
+    "sampler_logp_gap_max": max,
+    "lag/is_weight_max": max,
+}
 
 
 class Timer:
-    """Accumulates wall time per phase (`with timer("sampling"): ...`) and generated tokens."""
+    """Accumulates wall time per phase (`with timer("sampling"): ...`) and generated tokens;
+    ``spans`` keeps each phase's (start, end) times, which asynchronous rollouts compare with
+    the learner's (``async/overlap/<phase>``)."""
 
     def __init__(self):
         self.seconds = {"sampling": 0.0, "rewards": 0.0, "reference": 0.0, "update": 0.0}
+        self.spans: dict[str, list[tuple[float, float]]] = {}
         self.tokens = 0
 
     @contextlib.contextmanager
@@ -64,7 +77,9 @@ class Timer:
         try:
             yield
         finally:
-            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - t0
+            t1 = time.perf_counter()
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + t1 - t0
+            self.spans.setdefault(phase, []).append((t0, t1))
 
     def add_tokens(self, n: int) -> None:
         self.tokens += n

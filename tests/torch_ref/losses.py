@@ -183,3 +183,33 @@ def kl_penalized_rewards(rewards, logp, ref_logp, mask, beta):
     """``R_i - beta * sum_t (logp - ref_logp)`` over each row's valid tokens."""
     kl = torch.stack([(logp[i] - ref_logp[i])[mask[i]].sum() for i in range(len(rewards))])
     return rewards - beta * kl, kl
+
+
+def lag_correction(proximal, sampler_logp, mask, mode, *, cap, floor, eps_low, eps_high):
+    """A stale batch's correction: ``(old_logp for the ratio, is_weights, metrics)``.
+
+    ``r = exp(proximal - sampler)`` per token, detached. ``"tis"``: weights ``min(r, cap)``,
+    truncated where ``r > cap``; ``"mask"``: ``r`` where ``floor <= r <= cap``, else 0;
+    ``"clip"``: no weights, the ratio taken against ``sampler_logp``, clipped where ``r``
+    leaves ``[1 - eps_low, 1 + eps_high]``. Metrics over the valid tokens of ``mask`` only,
+    gathered by boolean indexing; ``ess = (sum w)^2 / (n sum w^2)`` with ``w = r`` for clip.
+    """
+    r = torch.exp(proximal.detach() - sampler_logp)
+    old_logp, weights = None, None
+    if mode == "tis":
+        weights = torch.clamp(r, max=cap)
+        out = r > cap
+    elif mode == "mask":
+        out = (r < floor) | (r > cap)
+        weights = torch.where(out, torch.zeros_like(r), r)
+    else:
+        old_logp = sampler_logp
+        out = (r < 1 - eps_low) | (r > 1 + eps_high)
+    w = (r if weights is None else weights)[mask]
+    metrics = {
+        "lag/is_weight_mean": w.mean(),
+        "lag/is_weight_max": w.max(),
+        "lag/is_clipped_frac": out[mask].to(w.dtype).mean(),
+        "lag/ess": w.sum() ** 2 / (w.numel() * (w * w).sum()),
+    }
+    return old_logp, weights, metrics
