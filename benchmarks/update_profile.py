@@ -36,7 +36,7 @@ GB = 1e9
 
 def layout(learner, rollout) -> str:
     """The packed rows' width and how much of them real tokens fill."""
-    inputs, packing, _, t = learner.batch_inputs(rollout)
+    inputs, packing, _, t = learner.batches.batch_inputs(rollout)
     lengths = rollout.mask.sum(axis=1)
     totals = lengths.reshape(-1, learner.rl.group_size).sum(axis=1)
     if packing is None:
@@ -141,7 +141,7 @@ def main() -> None:
         examples = grpo_step.examples(w.task, w.prompts)
         key = learner.programs.advance(state.step, state.rng)[2]
         t0 = time.perf_counter()
-        rollout, _ = learner.collect(state, examples, key, 0, None, step_metrics.Timer())
+        rollout, _ = learner.collect(state.params, examples, key, 0, None, step_metrics.Timer())
         print(f"sampled in {time.perf_counter() - t0:.1f} s (with compilation)", flush=True)
         if args.save:
             with open(args.save, "wb") as f:
@@ -175,7 +175,7 @@ def main() -> None:
         import jax
 
         ref = learner.programs.reference(state)
-        inputs, packing, shared, _ = learner.batch_inputs(rollout)
+        inputs, packing, shared, _ = learner.batches.batch_inputs(rollout)
         scoring = (ref, learner.programs.frozen, *inputs, packing, shared)
         text = learner.programs.logprobs.lower(*scoring).compile().as_text()
         top_ops(

@@ -41,14 +41,21 @@ def text_reward(prompts, completions, **_):
 
 
 def make_learner(
-    mesh_shape: dict, devices=None, reward=text_reward, agent=None, teacher=None, **overrides
+    mesh_shape: dict,
+    devices=None,
+    reward=text_reward,
+    agent=None,
+    teacher=None,
+    sampler_devices=None,
+    **overrides,
 ):
     """(learner, format_copy task) for tiny.py with beta 0.04 and `reward`, on a mesh of
     `devices`; `overrides` are config keys (`"rl.grad_accum": 2`). LoRA adapters as the config
     says, none with `model.lora_rank=0` (as `jaxgrpo.run.train` builds the model), and the
     mesh's layout; the layers unrolled only with `model.layer_loop="unroll"`. `agent(tokenizer)`
     makes the learner's `jaxgrpo.agents.Agent`, whose environment's reward joins `reward`;
-    `teacher(mesh, layout)` its frozen teacher model (with `teacher.*` overrides)."""
+    `teacher(mesh, layout)` its frozen teacher model (with `teacher.*` overrides);
+    `sampler_devices` a list of devices the sampler gets as a data-parallel mesh of its own."""
     base = {"run_dir": "/tmp/unused", "rl.beta": 0.04, "mesh.data": 1}
     cfg = load_config("tiny.py", {**base, **overrides})
     mesh = sharding.make_mesh(mesh_shape, devices=devices)
@@ -64,7 +71,12 @@ def make_learner(
         agent = agent(tokenizer)
         rewards += [(fn, agent.reward_weight) for fn in agent.reward_functions()]
     teacher = teacher(mesh, layout) if teacher is not None else None
-    learner = Learner(cfg, model, tokenizer, task, RewardSet(rewards), mesh, agent, teacher)
+    sampler_mesh = None
+    if sampler_devices is not None:
+        sampler_mesh = sharding.make_mesh({"data": -1}, devices=sampler_devices)
+    learner = Learner(
+        cfg, model, tokenizer, task, RewardSet(rewards), mesh, agent, teacher, sampler_mesh
+    )
     return learner, task
 
 

@@ -226,33 +226,74 @@ def test_cli_reports_the_run_and_a_rerun_compiles_nothing(tmp_path, cli_env):
         assert made > 0 and read == made, f"{name}: {read} of {made} read from the cache"
 
 
+def _kill_and_resume(tmp_path, env, args, fault):
+    """Trains the tiny config with ``args`` (samples every step) into ``tmp_path / "full"``,
+    then into ``tmp_path / "killed"``, SIGKILLed at ``JAXGRPO_FAULT=fault``, and again there
+    to resume: (the killed run's metrics rows, the resumed run's process)."""
+
+    def train(run_dir, **extra_env):
+        cmd = [sys.executable, "-m", "jaxgrpo.train", "--config", "tiny"]
+        cmd += [f"--config.run_dir={run_dir}", "--config.logging.samples_every=1", *args]
+        return subprocess.run(
+            cmd, capture_output=True, text=True, env={**env, **extra_env}, timeout=300
+        )
+
+    full = train(tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-2000:]
+    killed = train(tmp_path / "killed", JAXGRPO_FAULT=fault)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    killed_rows = _rows(tmp_path / "killed")
+    resumed = train(tmp_path / "killed")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    return killed_rows, resumed
+
+
 @pytest.mark.slow
 def test_a_run_killed_between_its_rows_and_its_checkpoint_logs_every_step_once(tmp_path, cli_env):
     """SIGKILL right after step 2's metrics and samples rows are written and before its
     checkpoint (fault injection): the resumed run rewrites step 2, so metrics.jsonl and
     samples.jsonl hold each step exactly once and equal an uninterrupted run's."""
 
-    def train(run_dir, **extra_env):
-        args = ["--config", "tiny", f"--config.run_dir={run_dir}", "--config.checkpoint.every=1"]
-        args += ["--config.logging.samples_every=1"]
-        cmd = [sys.executable, "-m", "jaxgrpo.train", *args]
-        return subprocess.run(
-            cmd, capture_output=True, text=True, env={**cli_env, **extra_env}, timeout=300
-        )
-
-    full = train(tmp_path / "full")
-    assert full.returncode == 0, full.stderr[-2000:]
-    killed = train(tmp_path / "killed", JAXGRPO_FAULT="logged:2")
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
-    assert [r["step"] for r in _rows(tmp_path / "killed")] == [0, 1, 2], "killed in the window"
-    resumed = train(tmp_path / "killed")
-    assert resumed.returncode == 0 and "resuming at step 1" in resumed.stdout, resumed.stdout
+    killed_rows, resumed = _kill_and_resume(
+        tmp_path, cli_env, ["--config.checkpoint.every=1"], "logged:2"
+    )
+    assert [r["step"] for r in killed_rows] == [0, 1, 2], "killed in the window"
+    assert "resuming at step 1" in resumed.stdout, resumed.stdout
 
     def rows(run_dir):  # wall-clock rates differ between any two runs
         return [{k: v for k, v in r.items() if not k.endswith("per_s")} for r in _rows(run_dir)]
 
     assert rows(tmp_path / "killed") == rows(tmp_path / "full")
     assert [r["step"] for r in rows(tmp_path / "full")] == [0, 1, 2, 3, 4]
+
+    def samples(run_dir):
+        with open(os.path.join(run_dir, "samples.jsonl"), encoding="utf-8") as f:
+            return [json.loads(line) for line in f]
+
+    assert samples(tmp_path / "killed") == samples(tmp_path / "full")
+
+
+@pytest.mark.slow
+def test_an_asynchronous_run_killed_mid_flight_resumes_exactly(tmp_path, cli_env):
+    """Lag 1: SIGKILL after step 3's rows, with a batch in flight and the last checkpoint at
+    step 2, which holds the weights batch 2 was sampled with (version 1). The resumed run
+    samples it again with them, the same key and examples: its rows and samples equal an
+    uninterrupted run's."""
+
+    args = ["--config.checkpoint.every=2", "--config.rl.max_staleness=1", "--config.steps=5"]
+    _, resumed = _kill_and_resume(tmp_path, cli_env, args, "logged:3")
+    assert "resuming at step 2" in resumed.stdout, resumed.stdout
+
+    def rows(run_dir):  # wall-clock times differ between any two runs
+        timing = ("time/", "async/", "flops/tflops")
+        return [
+            {k: v for k, v in r.items() if not k.endswith("per_s") and not k.startswith(timing)}
+            for r in _rows(run_dir)
+        ]
+
+    assert [r["step"] for r in rows(tmp_path / "full")] == [0, 1, 2, 3, 4, 5]
+    assert rows(tmp_path / "killed") == rows(tmp_path / "full")
+    assert [r["async/lag_max"] for r in _rows(tmp_path / "killed")[1:]] == [0, 1, 1, 1, 1]
 
     def samples(run_dir):
         with open(os.path.join(run_dir, "samples.jsonl"), encoding="utf-8") as f:

@@ -6,6 +6,8 @@ A checkpoint holds two items:
   stored flat, leaf by leaf, under index names, so any pytree type (NNX ``State``, optax
   states, flax dataclasses) round-trips; the tree structure comes back from the restore target.
 - ``meta``: a JSON object (data cursor, schedule state, the config snapshot).
+- ``sampler`` (asynchronous rollouts only): the trainable params of the policy versions the
+  in-flight batches are sampled with, so a resumed run samples them again exactly.
 
 Orbax writes each step to a temporary directory and renames it when complete, so a run killed
 mid-save leaves the previous checkpoint intact. Restoring places every array with the target's
@@ -98,7 +100,7 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             directory if "://" in directory else os.path.abspath(directory),  # gs:// as is
             options=options,
-            item_names=("state", "meta"),
+            item_names=("state", "meta", "sampler"),
         )
 
     def latest_step(self) -> int | None:
@@ -113,7 +115,15 @@ class Checkpointer:
         """Whether ``step`` is a periodic save point."""
         return self.every > 0 and step % self.every == 0
 
-    def save(self, step: int, state: PyTree, meta: Mapping[str, Any], *, force: bool = False):
+    def save(
+        self,
+        step: int,
+        state: PyTree,
+        meta: Mapping[str, Any],
+        *,
+        force: bool = False,
+        sampler: Mapping[int, PyTree] | None = None,
+    ):
         """Writes ``state`` and ``meta`` as checkpoint ``step`` when due (or ``force``).
 
         Args:
@@ -121,6 +131,8 @@ class Checkpointer:
           state: the training pytree.
           meta: JSON-serialisable dict.
           force: save even when ``step`` is not a multiple of ``every``.
+          sampler: version -> trainable params the in-flight batches are sampled with
+            (asynchronous rollouts), or None.
 
         Returns:
           True when a checkpoint was written (False if not due or already present).
@@ -134,13 +146,14 @@ class Checkpointer:
         paths, leaves, _ = _flatten(state)
         items = {f"{i:05d}": _storable(leaf) for i, leaf in enumerate(leaves)}
         meta = {**meta, "_leaf_paths": paths}
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardSave(items), meta=ocp.args.JsonSave(dict(meta))
-            ),
-            force=True,
-        )
+        args = {"state": ocp.args.StandardSave(items)}
+        if sampler:
+            meta["_sampler_versions"] = sorted(sampler)
+            held = [sampler[v] for v in sorted(sampler)]
+            flat = {f"{i:05d}": leaf for i, leaf in enumerate(_flatten(held)[1])}
+            args["sampler"] = ocp.args.StandardSave(flat)
+        args["meta"] = ocp.args.JsonSave(dict(meta))
+        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
         self._manager.wait_until_finished()
         return True
 
@@ -174,6 +187,23 @@ class Checkpointer:
         ).state
         values = [_rebuild(restored[f"{i:05d}"], leaf) for i, leaf in enumerate(leaves)]
         return jax.tree_util.tree_unflatten(treedef, values), meta
+
+    def restore_sampler(self, params: PyTree, step: int) -> dict[int, PyTree]:
+        """version -> trainable params of checkpoint ``step``'s in-flight batches (``{}`` when
+        it holds none), each restored into the structure and shardings of ``params``."""
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+        versions = list(dict(meta.meta).get("_sampler_versions", []))
+        if not versions:
+            return {}
+        paths, leaves, treedef = _flatten([params] * len(versions))
+        abstract = {f"{i:05d}": _abstract(leaf) for i, leaf in enumerate(leaves)}
+        restored = self._manager.restore(
+            step, args=ocp.args.Composite(sampler=ocp.args.StandardRestore(abstract))
+        ).sampler
+        held = jax.tree_util.tree_unflatten(
+            treedef, [restored[f"{i:05d}"] for i in range(len(leaves))]
+        )
+        return dict(zip(versions, held, strict=True))
 
     def close(self) -> None:
         """Waits for pending writes and releases the manager."""

@@ -10,7 +10,9 @@
 The programs (the sampler's prefill and decode, the prefix-shared scoring pass and the update)
 and the weights they share are ``jaxgrpo.rl.programs.StepPrograms``; each compiles once per
 shape bucket, so a second step with the same buckets compiles nothing. The step's phases are
-public (``collect``, ``prepare``, ``optimize``), so benchmarks time them one by one.
+public (``collect``, ``prepare``, ``optimize``), so benchmarks time them one by one; the
+sampler's side (``collect_batch``) and the learner's (``train``) are apart, so that
+``jaxgrpo.rl.pipeline`` can run the first on a thread of its own, ahead of the second.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import jax
 import numpy as np
@@ -27,17 +28,43 @@ from jaxgrpo.agents.rollout import warm_later_turns
 from jaxgrpo.core import sharding
 from jaxgrpo.core.host import release_freed_memory
 from jaxgrpo.eval.completions import episode_arrays, mesh_sampler
-from jaxgrpo.models import packing as packing_lib
 from jaxgrpo.rl import held_out, step_metrics
 from jaxgrpo.rl import rollout as ro
-from jaxgrpo.rl.kl import kl_penalized_rewards
+from jaxgrpo.rl.batches import BatchPreparer
 from jaxgrpo.rl.programs import StepPrograms
+from jaxgrpo.rl.sampler_side import SamplerSide
 from jaxgrpo.rl.train_state import (
     TrainState,
 )
 from jaxgrpo.sampling import SamplerSettings, schedules
 
 Draw = Callable[[int], Sequence[dict]]
+
+
+@dataclasses.dataclass
+class Collected:
+    """One batch as the sampler's side leaves it for the learner's.
+
+    Attributes:
+        rollout: the sampled, scored completions.
+        draws: sampling rounds (dynamic sampling refills).
+        timer: the sampling and reward phases' seconds; the learner adds its own.
+        logged: what reward functions reported with TRL's ``log_metric`` while scoring it.
+        step: the training step the batch is for (its temperature, curricula, keys).
+        version: the policy version that sampled it (updates applied before its weights).
+        sampler_wait_s: how long the sampler waited for that version's weights.
+        index: the batch's place in the sampler's sequence (``step`` but where a dropping
+            pipeline samples past the run's last step).
+    """
+
+    rollout: ro.Rollout
+    draws: int
+    timer: step_metrics.Timer
+    logged: dict[str, list]
+    step: int
+    version: int = 0
+    sampler_wait_s: float = 0.0
+    index: int = 0
 
 
 class Learner:
@@ -54,20 +81,37 @@ class Learner:
             (tool results masked from the loss); None: one completion per sample.
         teacher: the frozen teacher `Transformer` when `cfg.teacher` uses one (its tokenizer
             is the policy's), else None.
+        sampler_mesh: the sampler's own mesh (``mesh.sampler_devices``), or None: rollouts
+            are sampled on `mesh`.
 
     Attributes:
         programs: the step's compiled programs, their shardings and the frozen weights.
+        sampler_side: where rollouts are sampled (`jaxgrpo.rl.sampler_side.SamplerSide`).
         sampler: the rollouts' sampler settings (a step samples at its own temperature).
         buckets: the batch widths seen so far (they only grow: few recompiles).
     """
 
     def __init__(
-        self, cfg, model, tokenizer, task, reward_set, mesh=None, agent=None, teacher=None
+        self,
+        cfg,
+        model,
+        tokenizer,
+        task,
+        reward_set,
+        mesh=None,
+        agent=None,
+        teacher=None,
+        sampler_mesh=None,
     ):
-        self.cfg, self.rl, self.agent = cfg, cfg.rl, agent
+        self.cfg, self.agent = cfg, agent
         self.tokenizer, self.task, self.reward_set = tokenizer, task, reward_set
         self.mesh = mesh if mesh is not None else sharding.make_mesh({"data": -1})
-        self.programs = StepPrograms(cfg, model, self.mesh, teacher)
+        self.programs = p = StepPrograms(cfg, model, self.mesh, teacher)
+        self.sampler_side = (
+            SamplerSide.shared(p)
+            if sampler_mesh is None
+            else SamplerSide.own(p, sampler_mesh, p.params0)
+        )
         # An agent's calling turns end at its format's stop strings (the tag format's
         # closing tags), inside the compiled decode loop.
         stops = agent.format.stop_strings() if agent is not None else ()
@@ -79,7 +123,18 @@ class Learner:
             cfg.sampling, cfg.steps
         )
         self.buckets = ro.ShapeBuckets()
+        self.batches = BatchPreparer(cfg, p, self.mesh, self.buckets)
         self._warm: set[tuple[int, ...]] = set()  # prompt shapes whose later turns compiled
+
+    @property
+    def rl(self):
+        """The run's ``RLConfig``: the programs' (one value for the step, its batches and its
+        programs)."""
+        return self.programs.rl
+
+    @rl.setter
+    def rl(self, value) -> None:
+        self.programs.rl = value
 
     def init_state(self) -> TrainState:
         """A fresh state: initial trainable params, optimizer state, step 0, seeded RNG."""
@@ -106,24 +161,49 @@ class Learner:
         step = int(sharding.to_host(state.step))
         state = self._maybe_reset_reference(state, step)
         next_step, next_rng, k_sample, k_shuffle = self.programs.advance(state.step, state.rng)
+        self._end_phase()
+        batch = self.collect_batch(state.params, list(examples), k_sample, step, draw)
+        return self.train(state, batch, (next_step, next_rng, k_shuffle), t_start)
+
+    def collect_batch(
+        self, params, examples, key, step: int, draw: Draw | None = None, version: int = 0
+    ) -> Collected:
+        """The sampler's side of a step: `collect` with the policy's trainable `params` (the
+        learner's own, or a copy of version `version` on the sampler's devices), and what the
+        reward functions logged while scoring it."""
         timer = step_metrics.Timer()
-        self._end_phase()
         self.reward_set.forget_logged()
-        rollout, draws = self.collect(state, list(examples), k_sample, step, draw, timer)
+        rollout, draws = self.collect(params, examples, key, step, draw, timer)
+        drawn = rollout.trained_mask > 0
+        rollout = dataclasses.replace(
+            rollout, versions=np.where(drawn, version, -1).astype(np.int32)
+        )
+        logged = {name: list(values) for name, values in self.reward_set.logged_metrics.items()}
+        return Collected(rollout, draws, timer, logged, step, version, index=step)
+
+    def train(
+        self, state: TrainState, batch: Collected, advanced: tuple, t_start: float | None = None
+    ) -> tuple[TrainState, dict[str, float], list[dict]]:
+        """The learner's side of a step: scoring passes, advantages and the updates on
+        `batch`, then the state's step and key advanced to `advanced` = (next step, next
+        key, the update's shuffle key) from `programs.advance`."""
+        t_start = time.perf_counter() if t_start is None else t_start
+        next_step, next_rng, k_shuffle = advanced
+        step = int(sharding.to_host(state.step))
+        rollout, timer = batch.rollout, batch.timer
         self._end_phase()
-        batch, extra = self.prepare(state, rollout, timer)
+        prepared, extra = self.prepare(state, rollout, timer)
         self._end_phase()
         with timer("update"):
-            state, update_metrics = self.optimize(state, batch, k_shuffle)
+            state, update_metrics = self.optimize(state, prepared, k_shuffle)
         state = state.replace(step=next_step, rng=next_rng)
         metrics = step_metrics.step_metrics(rollout, extra, update_metrics, timer.seconds)
         # What reward functions reported with TRL's log_metric (a reward model's time): means.
-        logged = self.reward_set.logged_metrics.items()
-        metrics.update({name: float(np.mean(values)) for name, values in logged if values})
+        metrics.update({name: float(np.mean(v)) for name, v in batch.logged.items() if v})
         metrics.update(
-            draws=float(draws),
+            draws=float(batch.draws),
             lr=float(self.programs.schedule(step * self.programs.updates_per_step)),
-            temperature=self.step_temperature(step),
+            temperature=self.step_temperature(batch.step),
             skipped_updates=float(sharding.to_host(state.skipped)),
         )
         metrics["time/step_learner"] = time.perf_counter() - t_start
@@ -160,7 +240,7 @@ class Learner:
         """The step's rollout settings: the run's (`sampler`) at the step's temperature."""
         return dataclasses.replace(self.sampler, temperature=self._temperature(step))
 
-    def _sample(self, state, examples, key, step, timer) -> ro.Rollout:
+    def _sample(self, params, examples, key, step, timer) -> ro.Rollout:
         """Samples G completions per example and scores them (one sampling round)."""
         g, tok = self.rl.group_size, self.tokenizer
         episodes = environments = toolboxes = row_messages = tools = None
@@ -172,7 +252,7 @@ class Learner:
                 row_messages = [m for m in messages for _ in range(g)]
                 tools = self.agent.prompt_tools(examples)
             ids, mask = ro.trim_prompts(*tok.encode_chat(messages, tools=tools), self.buckets)
-            sample = self.turn_sampler(state, self.sampler_settings(step), key)
+            sample = self.turn_sampler(params, self.sampler_settings(step), key)
             if toolboxes is None:
                 host = sample(ids, mask, g, None, 0)
             else:
@@ -231,27 +311,31 @@ class Learner:
             environments=environments,
         )
 
-    def turn_sampler(self, state: TrainState, settings: SamplerSettings, key) -> Callable:
-        """The policy's sampler on the mesh for one step's rollouts (``mesh_sampler``): one
-        call per turn of an episode (each keeping its KV cache for the next), or the single
-        call of a step without tools."""
-        p = self.programs
+    def turn_sampler(self, params, settings: SamplerSettings, key) -> Callable:
+        """The policy's sampler with trainable `params` for one step's rollouts
+        (``mesh_sampler``), on the sampler's devices (``sampler_side``): one call per turn of
+        an episode (each keeping its KV cache for the next), or the single call of a step
+        without tools."""
+        side = self.sampler_side
+        if side.own_devices:  # the step's key is the learner's: replicated on its devices
+            key = jax.device_put(key, sharding.replicated(side.mesh))
         return mesh_sampler(
-            p.graphdef, (state.params, p.frozen), p.model_cfg, self.mesh, settings, key,
-            keep_cache=self.keeps_cache,
+            side.graphdef, (params, side.frozen), self.programs.model_cfg, side.mesh, settings,
+            key, keep_cache=self.keeps_cache,
         )  # fmt: skip
 
-    def collect(self, state, examples, key, step, draw, timer) -> tuple[ro.Rollout, int]:
-        """Sampling rounds; with dynamic sampling, refills zero-variance groups from `draw`."""
+    def collect(self, params, examples, key, step, draw, timer) -> tuple[ro.Rollout, int]:
+        """Sampling rounds with trainable `params`; with dynamic sampling, refills
+        zero-variance groups from `draw`."""
         b = self.rl.prompts_per_step
-        rounds = [self._sample(state, examples, key, step, timer)]
+        rounds = [self._sample(params, examples, key, step, timer)]
         if not self.rl.dynamic_sampling:
             return rounds[0], 1
         kept = int((~rounds[0].zero_variance_groups()).sum())
         while kept < b and draw is not None and len(rounds) < self.rl.dynamic_sampling_max_draws:
             more = list(draw(b))
             sub = jax.random.fold_in(key, len(rounds))
-            rounds.append(self._sample(state, more, sub, step, timer))
+            rounds.append(self._sample(params, more, sub, step, timer))
             kept += int((~rounds[-1].zero_variance_groups()).sum())
         merged = ro.concat(rounds, self.tokenizer.pad_id)
         zero = merged.zero_variance_groups()
@@ -262,115 +346,8 @@ class Learner:
     def prepare(
         self, state: TrainState, r: ro.Rollout, timer: step_metrics.Timer | None = None
     ) -> tuple[ro.RolloutBatch, dict]:
-        """Reference/old log-probs, KL-in-reward, advantages, loss mask -> the device batch.
-
-        The scoring passes count as the "reference" phase of ``timer`` (the teacher's as
-        "teacher"), the rest as "update"."""
-        timer = timer or step_metrics.Timer()
-        with timer("update"):
-            inputs, packing, shared, t = self.batch_inputs(r)
-        teacher_logp = None
-        if self.cfg.teacher.enabled:
-            if self.programs.teacher_logprobs is None:
-                raise ValueError("cfg.teacher uses a teacher, but the Learner was given none")
-            with timer("teacher"):
-                teacher_logp = self._teacher_pass(inputs, packing, shared)
-        with timer("reference"):
-            logps = self._scoring_passes(state, r, inputs, packing, shared, t)
-        with timer("update"):
-            return self._finish_batch(r, inputs, packing, shared, t, *logps, teacher_logp)
-
-    def batch_inputs(self, r: ro.Rollout) -> tuple:
-        """(device inputs, packing, shared prefix, width T) of the scoring passes and update."""
-        put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
-        packing = None
-        if self.rl.pack_completions:
-            # Packed scoring reads only each completion's own tokens, so the width of the
-            # [R, T] arrays costs next to nothing; keeping it fixed avoids recompiling.
-            t = r.tokens.shape[1]
-            lengths = r.mask.sum(axis=1)
-            packing = packing_lib.pack(lengths, self.rl.group_size, t, self.buckets)
-            packing = jax.tree.map(put, packing)
-        else:
-            t = ro.completion_bucket(r.lengths, r.tokens.shape[1], self.buckets)
-        tokens, mask, temps = r.tokens[:, :t], r.mask[:, :t], r.temps[:, :t]
-        shared, prompt_ids, prompt_mask = np.zeros((1, 0), np.int32), r.prompt_ids, r.prompt_mask
-        if self.rl.share_prompt_prefix:
-            shared, prompt_ids, prompt_mask = ro.split_common_prefix(
-                prompt_ids, prompt_mask, buckets=self.buckets
-            )
-        shared = self.programs.replicate(shared, np.int32)
-        inputs = (put(prompt_ids), put(prompt_mask), put(tokens), put(mask), put(temps))
-        return inputs, packing, shared, t
-
-    def _teacher_pass(self, inputs, packing, shared):
-        """The teacher's log-probs [R, T] of the batch, waited for."""
-        p = self.programs
-        logp = p.teacher_logprobs(*p.teacher_weights, *inputs, packing, shared)[0]
-        return jax.block_until_ready(logp)
-
-    def _scoring_passes(self, state: TrainState, r: ro.Rollout, inputs, packing, shared, t):
-        """(sampler, old-policy, reference) log-probs [R, T], waited for, so that the phase
-        timer counts their compute and not only their dispatch."""
-        put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
-        sampler_logp = put(r.logprobs[:, :t].astype(np.float32))
-        ref_logp = old_logp = put(np.zeros(inputs[2].shape, np.float32))
-        p = self.programs
-        if p.needs_ref:
-            ref_logp = p.logprobs(p.reference(state), p.frozen, *inputs, packing, shared)[0]
-        if p.old_from == "forward":
-            old_logp = p.logprobs(state.params, p.frozen, *inputs, packing, shared)[0]
-        elif p.old_from == "sampler":
-            old_logp = sampler_logp
-        return jax.block_until_ready((sampler_logp, old_logp, ref_logp))
-
-    def _finish_batch(
-        self, r, inputs, packing, shared, t, sampler_logp, old_logp, ref_logp, teacher_logp
-    ):
-        """KL-in-reward, advantages and the loss mask -> (the device batch, host extras)."""
-        put = lambda x: sharding.put_batch(x, self.mesh)  # noqa: E731
-        p = self.programs
-        trained = r.trained_mask[:, :t]  # the model's own ids: tool results get no loss or KL
-        truncated = r.stop_reason == step_metrics.LENGTH
-        loss_mask = trained * (~truncated[:, None]) if self.rl.mask_truncated else trained
-        rewards = r.rewards
-        extra: dict[str, Any] = {}
-        kl_in_reward = (p.needs_ref or p.kl_to_teacher) and self.rl.kl_in_reward
-        behaviour = None  # on the host only where a teacher or the KL in the reward reads it
-        if teacher_logp is not None or kl_in_reward:
-            forward = p.old_from == "forward"
-            behaviour = sharding.to_host(old_logp) if forward else r.logprobs[:, :t]
-        if p.kl_to_teacher:
-            ref_logp = teacher_logp
-        if teacher_logp is not None:
-            extra["teacher"] = step_metrics.teacher_metrics(
-                behaviour, sharding.to_host(teacher_logp), trained, r.correct
-            )
-        if kl_in_reward:
-            penalized, kl_R = kl_penalized_rewards(
-                rewards, behaviour, sharding.to_host(ref_logp), trained, self.rl.beta
-            )
-            rewards, extra["kl_in_reward"] = np.asarray(penalized), np.asarray(kl_R)
-        adv, adv_metrics = step_metrics.advantages(
-            rewards, self.rl.group_size, self.rl.adv_scale, self.rl.baseline
-        )
-        extra.update(advantages=adv, adv_metrics=adv_metrics, loss_mask=loss_mask)
-        batch = ro.RolloutBatch(
-            prompt_ids=inputs[0],
-            prompt_mask=inputs[1],
-            tokens=inputs[2],
-            mask=inputs[3],
-            loss_mask=put(loss_mask.astype(np.int32)),
-            temps=inputs[4],
-            sampler_logp=sampler_logp,
-            old_logp=old_logp,
-            ref_logp=ref_logp,
-            advantages=put(adv.astype(np.float32)),
-            packing=packing,
-            shared_ids=shared,
-            teacher_logp=teacher_logp if p.objective.use_teacher_logp else None,
-        )
-        return batch, extra
+        """The update's device batch of rollout `r` (`BatchPreparer.prepare`)."""
+        return self.batches.prepare(state, r, timer)
 
     def optimize(self, state: TrainState, batch: ro.RolloutBatch, key) -> tuple[TrainState, dict]:
         """ppo_epochs x shuffled minibatches of whole groups, each U micro-batches of M groups

@@ -198,6 +198,8 @@ class Rollout:
             None: every id of ``mask`` (single-turn completions).
         episodes: R ``jaxgrpo.agents.Episode`` records (turns, calls, results), or None.
         environments: R environment instances, one per episode, or None.
+        versions: int32 [R, T] the policy version (updates applied) that drew each id, -1 on
+            tool results and padding (`Learner.collect_batch` records it); None: not recorded.
     """
 
     examples: list[dict]
@@ -218,6 +220,7 @@ class Rollout:
     model_mask: np.ndarray | None = None
     episodes: list | None = None
     environments: list | None = None
+    versions: np.ndarray | None = None
 
     @property
     def model_completions(self) -> list[str]:

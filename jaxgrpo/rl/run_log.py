@@ -314,8 +314,10 @@ def run_header(info: Mapping[str, Any]) -> str:
         ``eval_size``, ``prompts_per_step``, ``group_size``, ``steps``, ``devices``,
         ``platform``, ``mesh`` (axis -> size), ``run_dir``, ``start`` (completed steps),
         ``cache_dir`` (or None) and optionally ``cache_off_why`` (" (why)" it is off),
-        ``tools`` (``Agent.tools_line``: the tools and how the model is told of them) and
-        ``teacher`` (the teacher's source, parameters and what it is used for).
+        ``tools`` (``Agent.tools_line``: the tools and how the model is told of them),
+        ``teacher`` (the teacher's source, parameters and what it is used for) and
+        ``rollouts`` (asynchronous rollouts: the lag, its bound and correction, the sampler's
+        devices).
     """
     tuning = (
         f"LoRA rank {info['lora_rank']}, {human_count(info['trainable'])} trainable"
@@ -339,6 +341,8 @@ def run_header(info: Mapping[str, Any]) -> str:
         lines.append(f"tools    {info['tools']}")
     if info.get("teacher"):
         lines.append(f"teacher  {info['teacher']}")
+    if info.get("rollouts"):
+        lines.append(f"rollouts {info['rollouts']}")
     return "\n".join(lines)
 
 

@@ -43,6 +43,7 @@ from jaxgrpo.rewards.perplexity import make_perplexity_reward
 from jaxgrpo.rewards.reward_model import is_model_source, load_reward_model
 from jaxgrpo.rl.checkpoint import Checkpointer
 from jaxgrpo.rl.learner import Learner
+from jaxgrpo.settings.checks import sampler_mesh_shape
 from jaxgrpo.settings.loading import is_run_dir, run_config
 from jaxgrpo.settings.model import model_fields
 from jaxgrpo.settings.schema import (
@@ -68,8 +69,21 @@ def start_distributed(cfg: TrainConfig) -> None:
 
 
 def build_mesh(cfg: TrainConfig) -> Any:
-    """The device mesh of ``cfg.mesh`` over every device (a -1 axis filled)."""
-    return sharding.make_mesh(resolve_mesh_shape(cfg, jax.device_count()))
+    """The learner's device mesh of ``cfg.mesh``: over every device (a -1 axis filled), or
+    over all but the last ``mesh.sampler_devices``."""
+    return build_meshes(cfg)[0]
+
+
+def build_meshes(cfg: TrainConfig) -> tuple[Any, Any]:
+    """(the learner's mesh, the sampler's own mesh or None): with ``mesh.sampler_devices =
+    N`` the sampler owns the slice's last N devices (``checks.sampler_mesh_shape``)."""
+    devices, n = jax.devices(), cfg.mesh.sampler_devices
+    shape = resolve_mesh_shape(cfg, len(devices))
+    if n == 0:
+        return sharding.make_mesh(shape, devices), None
+    learner = sharding.make_mesh(shape, devices[: len(devices) - n])
+    sampler = sharding.make_mesh(sampler_mesh_shape(cfg, shape), devices[len(devices) - n :])
+    return learner, sampler
 
 
 def load_source(source, dtype="float32", lora=None, mesh=None, rules=None, **kwargs):
@@ -206,7 +220,7 @@ class RunParts:
 def build_parts(cfg: TrainConfig) -> RunParts:
     """Distributed runtime, mesh, model, task, rewards and the Learner for ``cfg``."""
     start_distributed(cfg)
-    mesh = build_mesh(cfg)
+    mesh, sampler_mesh = build_meshes(cfg)
     # The data first: a missing file, row or package is reported in seconds, not after a load.
     task = build_task(cfg.task)
     task.eval_examples()
@@ -214,7 +228,7 @@ def build_parts(cfg: TrainConfig) -> RunParts:
     teacher = build_teacher(cfg, mesh, tokenizer)
     agent = Agent.from_config(cfg.agent, tokenizer)
     rewards = build_rewards(cfg.rewards, model, tokenizer, agent, mesh)
-    learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent, teacher)
+    learner = Learner(cfg, model, tokenizer, task, rewards, mesh, agent, teacher, sampler_mesh)
     return RunParts(learner, task, mesh)
 
 

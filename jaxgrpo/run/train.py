@@ -29,22 +29,21 @@ from absl import logging as absl_logging
 from ml_collections import config_flags
 
 from jaxgrpo.core.errors import ConfigError, one_line_errors
-from jaxgrpo.core.host import cache_off_why, prepare_cli
-from jaxgrpo.models.aliases import MODEL_ALIASES
+from jaxgrpo.core.host import prepare_cli
 from jaxgrpo.rl.checkpoint import Checkpointer
+from jaxgrpo.rl.pipeline import RolloutPipeline
 from jaxgrpo.rl.run_log import (
     MetricsLogger,
     ProgressBar,
     check_dead_run,
     console,
     eval_line,
-    human_count,
     run_header,
     run_summary,
     warn_once,
 )
-from jaxgrpo.run import plot
 from jaxgrpo.run.build import RunParts, build_parts, start_distributed
+from jaxgrpo.run.report import header_info, summary_info
 from jaxgrpo.run.runtime import DataStream, RunFiles, StopRequest, fault_point
 from jaxgrpo.settings import loading
 from jaxgrpo.settings.checks import unknown_key_error
@@ -112,23 +111,39 @@ def run(cfg: TrainConfig, parts: RunParts | None = None) -> dict[str, Any]:
         every=cfg.checkpoint.every,
         keep=cfg.checkpoint.keep,
     )
-    state, start, cursor = _restore_or_init(cfg, learner, ckpt)
+    state, start, cursor, held = _restore_or_init(cfg, learner, ckpt)
     logger = _open_logger(cfg, files.local_dir, process, start)
     data = DataStream(task, cfg.seed, cursor)
     held_out = HeldOut(cfg, learner, task, say)
-    say(run_header(_header_info(cfg, learner, data, held_out, start)))
+    say(run_header(header_info(cfg, learner, data, held_out, start)))
     if start == 0 and held_out.due(0):
         logger.log(0, held_out(state, 0))
     bar = ProgressBar(cfg.steps, start, enabled=cfg.logging.progress and process == 0)
     metrics: dict[str, Any] = {}
     step = start
+    pipeline = None
+    if cfg.rl.max_staleness > 0 and start < cfg.steps:
+        pipeline = RolloutPipeline(learner, data, state, start, cfg.steps, held)
+
+    def save(force: bool = False) -> bool:
+        # Asynchronous rollouts: the data cursor before the next batch to train, and the
+        # weights of the versions that sample the batches in flight.
+        if not (force or ckpt.should_save(step)):
+            return False
+        cursor = data.position if pipeline is None else pipeline.cursor()
+        held = None if pipeline is None else pipeline.held_versions(step)
+        return ckpt.save(step, state, _meta(cfg, step, cursor), force=force, sampler=held)
+
     try:
         with StopRequest() as stop:
             while step < cfg.steps and not stop.agreed():
                 t0 = time.perf_counter()
-                # `draw` refills groups under dynamic sampling; it advances the same cursor.
-                examples = data.take(cfg.rl.prompts_per_step)
-                state, metrics, samples = learner.step(state, examples, draw=data.take)
+                if pipeline is None:
+                    # `draw` refills groups under dynamic sampling; it advances the same cursor.
+                    examples = data.take(cfg.rl.prompts_per_step)
+                    state, metrics, samples = learner.step(state, examples, draw=data.take)
+                else:
+                    state, metrics, samples = pipeline.train_step(state)
                 step += 1
                 metrics = {**metrics, "time/step": time.perf_counter() - t0}
                 check_dead_run(step, metrics)
@@ -139,83 +154,24 @@ def run(cfg: TrainConfig, parts: RunParts | None = None) -> dict[str, Any]:
                 # again, so every step up to the last checkpoint is logged exactly once.
                 _record(cfg, logger, bar, step, metrics, samples)
                 fault_point("logged", step)
-                saved = ckpt.save(step, state, _meta(cfg, step, data))
-                if saved:
+                if save():
                     files.upload()
     finally:
-        _final_save(ckpt, step, start, state, _meta(cfg, step, data))
+        if step > start:
+            try:
+                save(force=True)
+            except Exception as e:  # an interrupted step may have donated (deleted) the state
+                warn_once("checkpoint/exit", f"could not checkpoint step {step} at exit: {e!r}")
+        if pipeline is not None:
+            pipeline.close()
         latest = ckpt.latest_step()
         ckpt.close()
         bar.close()
         logger.close()
         files.upload()
     if process == 0 and step > start:
-        say(run_summary(_summary_info(cfg, files.local_dir, step, t_run, held_out, latest)))
+        say(run_summary(summary_info(cfg, files.local_dir, step, t_run, held_out, latest)))
     return metrics
-
-
-def _header_info(cfg, learner, data, held_out, start) -> dict[str, Any]:
-    return {
-        "model": MODEL_ALIASES.get(cfg.model.source, cfg.model.source),
-        "params": learner.programs.n_params,
-        "trainable": learner.programs.n_trainable,
-        "lora_rank": cfg.model.lora_rank,
-        "task": cfg.task.name,
-        "train_size": data.size,
-        "eval_size": len(held_out.examples),
-        "prompts_per_step": cfg.rl.prompts_per_step,
-        "group_size": cfg.rl.group_size,
-        "steps": cfg.steps,
-        "devices": jax.device_count(),
-        "platform": jax.devices()[0].platform,
-        "mesh": dict(learner.mesh.shape),
-        "run_dir": cfg.run_dir,
-        "start": start,
-        "cache_dir": jax.config.jax_compilation_cache_dir,
-        "cache_off_why": cache_off_why(),
-        "tools": learner.agent.tools_line if learner.agent is not None else None,
-        "teacher": _teacher_line(cfg, learner),
-    }
-
-
-def _teacher_line(cfg, learner) -> str | None:
-    """The teacher's source, size and uses, for the run's header."""
-    t, p = cfg.teacher, learner.programs
-    if not t.enabled:
-        return None
-    uses = [f"distillation term x {t.distill_coef:g}"] * (t.distill_coef > 0)
-    uses += [f"KL target (beta {cfg.rl.beta:g}) in place of the reference"] * p.kl_to_teacher
-    return f"{t.source}: {human_count(p.n_teacher_params)} parameters, frozen; " + ", ".join(uses)
-
-
-def _summary_info(cfg, log_dir, step, t_run, held_out, latest) -> dict[str, Any]:
-    """What the closing summary names: files written, plots drawn now, the next commands."""
-    run_dir = cfg.run_dir
-    files = [("metrics", os.path.join(log_dir, "metrics.jsonl"))]
-    if cfg.logging.samples_every:
-        files.append(("samples", os.path.join(log_dir, "samples.jsonl")))
-    if cfg.logging.tensorboard:
-        files.append(("tensorboard", os.path.join(log_dir, "tensorboard")))
-    try:
-        pngs = plot.plot_runs([log_dir], os.path.join(log_dir, "plots"))
-        files.append(("plots", f"{pngs[0]} (and {len(pngs) - 1} more PNG)"))
-    except Exception as e:  # plots are a convenience: never fail a finished run over them
-        warn_once("plot/failed", f"could not draw the run's plots: {e}")
-    if latest is not None:
-        files.append(("checkpoints", f"{RunFiles.join(run_dir, 'checkpoints')} (step {latest})"))
-    commands = [
-        f"python -m jaxgrpo.plot {run_dir}",
-        f"python -m jaxgrpo.evaluate --checkpoint {run_dir} --base",
-        f"python -m jaxgrpo.export {run_dir} {RunFiles.join(run_dir, 'export')}",
-    ]
-    return {
-        "steps": step,
-        "seconds": time.perf_counter() - t_run,
-        "before": held_out.first,
-        "after": held_out.last,
-        "files": files,
-        "commands": commands,
-    }
 
 
 def _record(cfg: TrainConfig, logger, bar, step: int, metrics: dict, samples: list) -> None:
@@ -245,35 +201,27 @@ def _open_logger(cfg: TrainConfig, log_dir: str, process: int, start: int):
     return logger
 
 
-def _final_save(ckpt: Any, step: int, start: int, state: Any, meta: dict) -> None:
-    """Checkpoints the last completed step at exit; never masks the exception that ended the run."""
-    if step <= start:
-        return
-    try:
-        ckpt.save(step, state, meta, force=True)
-    except Exception as e:  # an interrupted step may have donated (deleted) the state
-        warn_once("checkpoint/exit", f"could not checkpoint step {step} at exit: {e!r}")
-
-
-def _meta(cfg: TrainConfig, step: int, data: Any) -> dict[str, Any]:
+def _meta(cfg: TrainConfig, step: int, cursor: int) -> dict[str, Any]:
     # Curricula and the temperature schedule are functions of the step, so the step (in the
     # state and here) is their whole state; the data cursor is the rest.
-    return {"step": step, "data_cursor": data.position, "config": cfg.to_dict()}
+    return {"step": step, "data_cursor": cursor, "config": cfg.to_dict()}
 
 
-def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, int, int]:
-    """(state, completed steps, data cursor): from the latest checkpoint, or fresh."""
+def _restore_or_init(cfg: TrainConfig, learner: Any, ckpt: Any) -> tuple[Any, int, int, dict]:
+    """(state, completed steps, data cursor, version -> params of the batches in flight):
+    from the latest checkpoint, or fresh."""
     state = learner.init_state()
     latest = ckpt.latest_step()
     if latest is None:
-        return state, 0, 0
+        return state, 0, 0, {}
     if not cfg.resume:
         raise ConfigError(
             f"config key 'resume' = False but {cfg.run_dir!r} already holds checkpoints "
             f"(latest step {latest}); set --config.resume=True or choose another run_dir"
         )
+    held = ckpt.restore_sampler(state.params, latest) if cfg.rl.max_staleness > 0 else {}
     state, meta = ckpt.restore(state, latest)
-    return state, latest, int(meta["data_cursor"])
+    return state, latest, int(meta["data_cursor"]), held
 
 
 # ----------------------------------------------------------------------------------------------

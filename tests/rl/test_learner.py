@@ -467,7 +467,12 @@ def test_micro_batch_gradients_add_into_the_accumulator_inside_the_backward_pass
     learner, task = make_learner({"data": 1}, jax.devices()[:1], **variant)
     state = learner.init_state()
     rollout, _ = learner.collect(
-        state, list(task.train_examples(0))[:2], jax.random.key(0), 0, None, step_metrics.Timer()
+        state.params,
+        list(task.train_examples(0))[:2],
+        jax.random.key(0),
+        0,
+        None,
+        step_metrics.Timer(),
     )
     batch, _ = learner.prepare(state, rollout)
     # Nudge every weight (LoRA's B starts at zero, which would leave A without a gradient).

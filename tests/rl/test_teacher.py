@@ -53,7 +53,7 @@ def _batch(learner, examples):
     """(rollout, device batch, host extras) of one step's collect and prepare."""
     state = learner.init_state()
     _, _, k_sample, _ = learner.programs.advance(state.step, state.rng)
-    rollout, _ = learner.collect(state, examples, k_sample, 0, None, Timer())
+    rollout, _ = learner.collect(state.params, examples, k_sample, 0, None, Timer())
     batch, extra = learner.prepare(state, rollout)
     return rollout, batch, extra
 
