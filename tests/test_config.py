@@ -12,6 +12,7 @@ from jaxgrpo.configs.base import JUDGE_PROMPT
 from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.rl.loss_spec import LOSS_PRESETS
 from jaxgrpo.run.build import build_model
+from jaxgrpo.settings.checks import sampler_mesh_shape
 from jaxgrpo.settings.loading import load_config, shipped_configs
 from jaxgrpo.settings.model import model_config, model_fields
 from jaxgrpo.settings.schema import TrainConfig, resolve_mesh_shape, to_train_config
@@ -104,6 +105,16 @@ BAD_OVERRIDES = [
         {"sampling.position_schedule.kind": "cosine", "sampling.position_schedule.end": 0.0},
         "sampling.position_schedule.end",
     ),
+    ({"rl.max_staleness": -1}, "rl.max_staleness"),
+    ({"rl.max_staleness": 1, "rl.stale_batches": "skip"}, "rl.stale_batches"),
+    ({"rl.stale_batches": "drop"}, "rl.stale_batches"),  # no lag: nothing to drop
+    ({"rl.max_staleness": 1, "rl.lag_correction": "is"}, "rl.lag_correction"),
+    ({"rl.max_staleness": 1, "rl.lag_cap": 0.9}, "rl.lag_cap"),
+    ({"rl.max_staleness": 1, "rl.lag_floor": 0.0}, "rl.lag_floor"),
+    ({"rl.max_staleness": 1, "rl.tis_cap": 2.0}, "rl.tis_cap"),  # the same ratio twice
+    ({"rl.max_staleness": 1, "mesh.num_processes": 2}, "mesh.num_processes"),
+    ({"mesh.sampler_devices": 2}, "mesh.sampler_devices"),  # a synchronous sampler
+    ({"mesh.sampler_devices": -1, "rl.max_staleness": 1}, "mesh.sampler_devices"),
 ]
 
 
@@ -151,6 +162,24 @@ def test_mesh_fits_devices():
         resolve_mesh_shape(load_config("tiny", {"mesh.tensor": 3}), 8)
     with pytest.raises(ConfigError, match="divisible by mesh data \\* fsdp = 16"):
         resolve_mesh_shape(cfg, 32)
+
+
+def test_the_sampler_devices_split_the_slice():
+    """mesh.sampler_devices = N: the learner's mesh over the rest, the sampler's keeping the
+    tensor axis; a split leaving the learner nothing, or not a multiple of the tensor axis,
+    is one line naming the key."""
+    lag = {"rl.max_staleness": 1, "mesh.data": -1}
+    cfg = load_config("tiny", {**lag, "mesh.sampler_devices": 4, "mesh.tensor": 2})
+    learner = resolve_mesh_shape(cfg, 8)
+    assert learner == {"data": 2, "fsdp": 1, "tensor": 2}
+    assert sampler_mesh_shape(cfg, learner) == {"data": 2, "fsdp": 1, "tensor": 2}
+    with pytest.raises(ConfigError, match="'mesh.sampler_devices' = 8: leaves the learner no"):
+        resolve_mesh_shape(load_config("tiny", {**lag, "mesh.sampler_devices": 8}), 8)
+    odd = load_config("tiny", {**lag, "mesh.sampler_devices": 3, "mesh.tensor": 1})
+    odd_tensor = load_config("tiny", {**lag, "mesh.sampler_devices": 3, "mesh.tensor": 2})
+    assert sampler_mesh_shape(odd, {"data": 5, "fsdp": 1, "tensor": 1})["data"] == 3
+    with pytest.raises(ConfigError, match="'mesh.sampler_devices' = 3: must be a multiple"):
+        sampler_mesh_shape(odd_tensor, {"data": 1, "fsdp": 1, "tensor": 2})
 
 
 def test_layer_loop_auto_unrolls_full_fine_tuning_on_cpu_without_remat():

@@ -156,3 +156,16 @@ def test_a_hanging_reward_on_the_rollout_thread_is_stopped_at_its_time_limit():
     _, history = _pipeline_run(learner, task, steps=2)
     assert time.perf_counter() - t0 < 60
     assert [m["reward/hangs/failed_frac"] for m in history] == [1.0, 1.0]
+
+
+def test_dropping_stale_batches_keeps_every_trained_batch_within_the_lag():
+    """"drop": the producer samples with the newest weights it has and never waits for them;
+    the learner drops what is more than max_staleness versions old (how many depends on
+    timing, so only the bound is checked)."""
+    overrides = {"rl.max_staleness": 1, "rl.stale_batches": "drop"}
+    learner, task = make_learner({"data": 1}, jax.devices()[:1], **overrides)
+    state, history = _pipeline_run(learner, task, steps=4)
+    assert all(m["async/lag_max"] <= 1 for m in history)
+    assert all(np.isfinite(m["loss"]) for m in history)
+    dropped = [m["async/dropped"] for m in history]
+    assert dropped == sorted(dropped)  # a running count
