@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from jaxgrpo.core import sharding
+from jaxgrpo.core.errors import ConfigError
 from jaxgrpo.rl.learner import Collected, Learner
 from jaxgrpo.rl.run_log import warn_once
 
@@ -124,6 +125,13 @@ class RolloutPipeline:
     """
 
     def __init__(self, learner: Learner, data, state, start: int, steps: int, held=None):
+        if jax.process_count() > 1:
+            raise ConfigError(
+                f"config key 'rl.max_staleness' = {learner.rl.max_staleness}: asynchronous "
+                f"rollouts run in one process, this run has {jax.process_count()} (the "
+                "sampler's and the learner's threads would issue collectives in different "
+                "orders on different hosts); set rl.max_staleness=0"
+            )
         self.learner, self.data, self.start, self.steps = learner, data, start, steps
         rl = learner.rl
         self.k, self.drop = rl.max_staleness, rl.stale_batches == "drop"

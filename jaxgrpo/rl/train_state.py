@@ -160,6 +160,12 @@ def opt_state_shardings(optimizer: optax.GradientTransformation, params: PyTree,
     )
 
 
+def _over_micro_batches(name: str):
+    """How a metric's micro-batch values become the update's: the max of ``*_max``, the min
+    of ``*_min``, else the mean."""
+    return jnp.max if name.endswith("_max") else jnp.min if name.endswith("_min") else jnp.mean
+
+
 def make_update_fn(
     loss_fn: Callable[..., tuple[Array, dict[str, Array]]],
     optimizer: optax.GradientTransformation,
@@ -217,7 +223,7 @@ def make_update_fn(
         (grads, loss), metrics = jax.lax.scan(
             lambda c, i: micro_step(params, frozen, batch, idx_UM, c, i), init, idx_UM
         )
-        return grads, loss, jax.tree.map(lambda m: jnp.mean(m, axis=0), metrics)
+        return grads, loss, {k: _over_micro_batches(k)(v, axis=0) for k, v in metrics.items()}
 
     def update(state: TrainState, frozen: PyTree, batch: PyTree, idx_UM: Array):
         grads, loss, metrics = gradients(state.params, frozen, batch, idx_UM)
