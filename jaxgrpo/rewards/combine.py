@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -118,6 +119,8 @@ class RewardSet:
         ``async def`` functions run together, each with ``timeout_s`` (``calls``).
 
     Attributes:
+      lock: held by whoever scores and then reads ``logged_*`` (asynchronous rollouts score
+        training batches on a thread of their own while the main thread evaluates).
       logged_metrics / logged_extra: what functions passed to TRL's ``log_metric(name, value)``
         and ``log_extra(column, values)`` during the latest step scored.
     """
@@ -146,6 +149,7 @@ class RewardSet:
         self.logged_metrics: dict[str, list[float]] = {}
         self.logged_extra: dict[str, list] = {}
         self._logged_step: int | None = None
+        self.lock = threading.RLock()
         for spec in specs:
             if len(spec) not in (2, 3):
                 raise ValueError(f"reward spec must be (name, weight[, kwargs]), got {spec!r}")

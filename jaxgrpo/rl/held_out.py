@@ -65,7 +65,8 @@ def evaluate(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, fl
         step=step,
         max_steps=learner.cfg.steps,
     )
-    return step_metrics.eval_metrics(learner.reward_set, inputs, out["truncated"])
+    with learner.reward_set.lock:  # not beside a training batch's scoring (asynchronous runs)
+        return step_metrics.eval_metrics(learner.reward_set, inputs, out["truncated"])
 
 
 def evaluate_episodes(learner: Any, state: Any, examples: Sequence[dict]) -> dict[str, float]:
@@ -96,6 +97,7 @@ def evaluate_episodes(learner: Any, state: Any, examples: Sequence[dict]) -> dic
         prompt_messages=out["chats"],
         model_mask=out["model_mask"],
     )
-    m = step_metrics.eval_metrics(learner.reward_set, inputs, out["truncated"])
+    with learner.reward_set.lock:
+        m = step_metrics.eval_metrics(learner.reward_set, inputs, out["truncated"])
     m.update(step_metrics.agent_metrics(out["episodes"], out["lengths"], out["model_tokens"]))
     return m

@@ -172,13 +172,14 @@ class Learner:
         learner's own, or a copy of version `version` on the sampler's devices), and what the
         reward functions logged while scoring it."""
         timer = step_metrics.Timer()
-        self.reward_set.forget_logged()
-        rollout, draws = self.collect(params, examples, key, step, draw, timer)
+        with self.reward_set.lock:  # an evaluation on another thread scores after, not beside
+            self.reward_set.forget_logged()
+            rollout, draws = self.collect(params, examples, key, step, draw, timer)
+            logged = {name: list(v) for name, v in self.reward_set.logged_metrics.items()}
         drawn = rollout.trained_mask > 0
         rollout = dataclasses.replace(
             rollout, versions=np.where(drawn, version, -1).astype(np.int32)
         )
-        logged = {name: list(values) for name, values in self.reward_set.logged_metrics.items()}
         return Collected(rollout, draws, timer, logged, step, version, index=step)
 
     def train(
