@@ -3,6 +3,7 @@ parameter and AdamW pytrees (traced with eval_shape: creating them costs compile
 information), real KV cache arrays, per-device shard shapes on an 8-device mesh, and XLA's
 buffer assignment for the activations of the prefix-shared scoring pass."""
 
+import dataclasses
 import math
 
 import jax
@@ -267,3 +268,67 @@ def test_a_reward_model_adds_its_backbone():
     est = memory.estimate(model_cfg, run, p.mesh, p.hbm_bytes, others)
     shard = p.mesh["fsdp"] * p.mesh["tensor"]
     assert est["reward_model[1]"] == memory.base_param_count(backbone) * 2 / shard
+
+
+def test_a_lagging_sampler_on_shared_devices_adds_its_versions():
+    """rl.max_staleness = k without sampler devices: k more copies of the trainable params
+    on every device (the adapters under LoRA, every weight otherwise), and nothing else."""
+    from jaxgrpo.core.presets import PRESETS
+    from jaxgrpo.settings.loading import load_config
+
+    p = PRESETS["v5e-64"]
+    shard = p.mesh["fsdp"] * p.mesh["tensor"]
+    for lora in (16, 0):
+        over = {"model.source": "random:Llama-3.1-8B", "model.lora_rank": lora}
+        model_cfg, run = memory.from_train_config(load_config("gsm8k_hard", over), 256)
+        lagged = memory.from_train_config(
+            load_config("gsm8k_hard", {**over, "rl.max_staleness": 2}), 256
+        )[1]
+        assert (run.max_staleness, lagged.max_staleness) == (0, 2)
+        sync = memory.estimate(model_cfg, run, p.mesh, p.hbm_bytes)
+        est = memory.estimate(model_cfg, lagged, p.mesh, p.hbm_bytes)
+        trainable = (
+            memory.lora_param_count(model_cfg) if lora else memory.base_param_count(model_cfg)
+        )
+        assert sync["stale_params"] == 0
+        assert est["stale_params"] == 2 * trainable * 2 / shard  # bfloat16
+        assert est["total"] == pytest.approx(sync["total"] + est["stale_params"])
+
+
+def test_a_sampler_on_its_own_devices_is_sized_apart(capsys):
+    """gsm8k_hard (48 prompts, so 384 sequences split over the learner's 12 data shards) on
+    v5e-64 split 48 + 16: the learner's devices hold no sampling parts; the sampler's hold the
+    frozen weights once, one version of the adapters, the decode's cache and its weights."""
+    from jaxgrpo.core.presets import PRESETS
+    from jaxgrpo.settings.loading import load_config
+
+    over = {"rl.prompts_per_step": 48, "rl.max_staleness": 1, "mesh.sampler_devices": 16}
+    cfg = load_config("gsm8k_hard", {**over, "model.source": "random:Llama-3.1-8B"})
+    learner, sampler = memory_report.split_meshes(cfg, "v5e-64")
+    assert learner == {"data": 1, "fsdp": 12, "tensor": 4}
+    assert sampler == {"data": 1, "fsdp": 4, "tensor": 4}
+    model_cfg, run = memory.from_train_config(cfg, 256)
+    hbm = PRESETS["v5e-64"].hbm_bytes
+    est = memory.estimate(model_cfg, run, learner, hbm)
+    assert est["kv_cache"] == est["sample_weights"] == 0
+    assert est["total"] == pytest.approx(
+        sum(est[k] for k in ("params", "grads", "opt_state", "ref_params", "activations"))
+    )
+    side = memory.sampler_side(model_cfg, run, sampler, hbm)
+    assert side["frozen"] == memory.base_param_count(model_cfg) * 2 / 16
+    assert side["trainable_copies"] == memory.lora_param_count(model_cfg) * 2 / 16
+    shared = memory.estimate(model_cfg, dataclasses.replace(run, sampler_devices=0), sampler, hbm)
+    assert side["kv_cache"] == shared["kv_cache"] > 0  # 384 rows over data x fsdp = 4
+    assert side["total"] == pytest.approx(sum(v for k, v in side.items() if k != "total"))
+    argv = ["--config", "gsm8k_hard", "--preset", "v5e-64"]
+    assert memory_report.main([*argv, *(f"--config.{k}={v}" for k, v in over.items())]) == 0
+    out = capsys.readouterr().out
+    assert "the learner's first 48" in out and "Sampler, v5e-64's last 16 devices" in out
+    assert "| trainable_copies |" in out and out.count("fits in 16 GiB") == 2
+    assert (
+        memory_report.main(
+            [*argv, "--config.rl.max_staleness=1", "--config.mesh.sampler_devices=18"]
+        )
+        == 2
+    )
+    assert capsys.readouterr().err.startswith("error: mesh.sampler_devices: 18 of v5e-64")

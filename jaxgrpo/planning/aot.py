@@ -9,16 +9,17 @@ old policy), the update, evaluation's greedy sampler and, with tools, the sample
 turns. Each compiled program is read for its memory (``memory_analysis``), its collectives
 (from the HLO text, per while-loop body and weighted by trip counts) and compile time; FLOPs
 are counted analytically (``flops``), since XLA's cost analysis counts a loop body once.
+
+With ``mesh.sampler_devices`` = N the sampler's programs (``jaxgrpo.planning.sampler_aot``)
+are lowered on a mesh of the slice's last N devices, over the sampler's own copy of the
+weights, and the learner's on the rest; each program says its side and how many devices it
+spans.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import math
-import re
-import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,7 +29,6 @@ import numpy as np
 from flax import nnx
 
 from jaxgrpo.agents import Agent
-from jaxgrpo.agents.rollout import chunk_room
 from jaxgrpo.core import presets, sharding
 from jaxgrpo.core.host import FORCE_HOST_DEVICES_FLAG
 from jaxgrpo.models.config import ModelConfig
@@ -36,16 +36,18 @@ from jaxgrpo.models.tiny import tiny_tokenizer
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.planning import flops, frozen, memory
+from jaxgrpo.planning.program import Program, compile_program
+from jaxgrpo.planning.sampler_aot import SamplerCopy, continuation_programs, generate_programs
 from jaxgrpo.rl import held_out
 from jaxgrpo.rl.learner import Learner
-from jaxgrpo.rl.programs import abstract_array
-from jaxgrpo.sampling import sampler_programs
-from jaxgrpo.sampling.resume import resume_programs
+from jaxgrpo.settings.checks import sampler_mesh_shape
 from jaxgrpo.settings.model import model_config
 
 # Characters per token of the tools' description (no model tokenizer is loaded): a large-vocab
 # tokenizer's rate on JSON and English (Llama 3's 128k; SmolLM2's 49k takes 3.6 on the python tool).
 TOOL_CHARS_PER_TOKEN = 4
+# The programs' name prefixes on each side (``--only``'s words).
+SAMPLER, LEARNER = ("sample", "continue", "eval"), ("score", "update")
 
 
 def topology_devices(preset: presets.Preset) -> list:
@@ -89,180 +91,33 @@ def abstract_learner(
     return Learner(cfg, abstract_model(model_cfg, mesh), tok, task, None, mesh, agent, teacher)
 
 
-@dataclasses.dataclass
-class Program:
-    """One compiled program of the step and what the report says about it.
-
-    Attributes:
-      name: ``sample/prefill``, ``sample/decode``, ``reference``, ``update``, ...
-      calls: times the step runs it (at most, for the sampler of later turns).
-      compiled: the ``jax.stages.Compiled``.
-      lower_s / compile_s: seconds to lower and to compile.
-      flops: analytic FLOPs of one call, whole slice (with remat's recomputation).
-      model_flops: the same without recomputation (what MFU counts).
-      weight_bytes: parameter bytes per chip read by one call (roofline estimate).
-      loop_trips: trip count assumed for while loops XLA cannot count (the decode loop: T).
-      oom: the compiler's message when it refused the program for exceeding the chip's
-        memory (``compiled`` is then None).
-      owner: whose weights it runs: "policy", "teacher" or "reward_model[i]".
-      resident_bytes: bytes per chip that stay on the device while it runs but are not its
-        arguments (``frozen.set_resident``): a second model's weights beside the policy's
-        programs, the policy's state beside the second model's.
-    """
-
-    name: str
-    calls: int
-    compiled: Any
-    lower_s: float
-    compile_s: float
-    flops: float
-    model_flops: float
-    weight_bytes: float
-    loop_trips: int = 1
-    oom: str | None = None
-    owner: str = "policy"
-    resident_bytes: float = 0.0
-
-
-def _compile(name, jitted, args, calls, flops, weight_bytes, loop_trips=1, kwargs=None) -> Program:
-    """Lowers and compiles ``jitted`` on ``args`` (and static ``kwargs``); ``flops`` is
-    (hardware, model) FLOPs."""
-    start = time.perf_counter()
-    lowered = jitted.lower(*args, **(kwargs or {}))
-    mid = time.perf_counter()
-    oom = None
-    try:
-        compiled = lowered.compile()
-    except jax.errors.JaxRuntimeError as e:  # XLA:TPU refuses a program that cannot fit
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        compiled, oom = None, str(e)
-    end = time.perf_counter()
-    logging.info("compiled %s in %.1f s (lowered in %.1f s)", name, end - mid, mid - start)
-    return Program(
-        name, calls, compiled, mid - start, end - mid, *flops, weight_bytes, loop_trips, oom
-    )
-
-
-_OOM = re.compile(
-    r"required for ([\w ]+?) \(([\d.]+)([KMGT])\) exceeds available HBM \(([\d.]+)([KMGT])\)"
-)
-
-
-def oom_bytes(message: str) -> tuple[int, int]:
-    """(bytes needed, bytes available) from XLA:TPU's out-of-memory message; (0, 0) when
-    the message says neither."""
-    m = _OOM.search(message)
-    if not m:
-        return 0, 0
-    size = lambda x, unit: int(float(x) * 1024 ** ("KMGT".index(unit) + 1))  # noqa: E731
-    return size(m.group(2), m.group(3)), size(m.group(4), m.group(5))
-
-
-def _knobs(knobs, replicated):
-    return jax.tree.map(lambda x: abstract_array(x, replicated), knobs)
-
-
 def tool_prompt_tokens(agent: Agent | None) -> int:
     """Tokens the tools' description adds to a prompt at ``TOOL_CHARS_PER_TOKEN`` (0: none)."""
     return 0 if agent is None else math.ceil(agent.prompt_chars / TOOL_CHARS_PER_TOKEN)
 
 
-def _sampler(learner, name, prompts, prompt_len, settings, devices, calls=1) -> tuple[list, Any]:
-    """Compiles one ``generate_from_state`` call's prefill and decode, run ``calls`` times;
-    and the decode's abstract output (None if it did not fit)."""
-    step, mesh = learner.programs, learner.mesh
-    cfg = step.model_cfg
-    ids = abstract_array(
-        np.zeros((prompts, prompt_len), np.int32), sharding.batch_sharding(mesh, prompts, 2)
-    )
-    prefill, decode, knobs = sampler_programs(step.graphdef, cfg, ids, settings)
-    knobs = _knobs(knobs, step.replicated)
-    states = (step.params0, step.frozen)
-    n, t = prompts * settings.num_samples, settings.max_new_tokens
-    f = flops.prefill(cfg, prompts, prompt_len), flops.decode(cfg, n, prompt_len, t)
-    f = (f[0], f[0]), (f[1], f[1])
-    w = flops.weight_bytes(cfg) / devices
-    args = (states, ids, ids, knobs, _rng(step))
-    first = _compile(f"{name}/prefill", prefill, args, calls, f[0], w)
-    state = jax.eval_shape(prefill, *args)
-    second, out = _decode(learner, name, decode, first, state, knobs, calls, f[1], t)
-    return [first, second], out
+def _rollout_programs(copy: SamplerCopy, learner: Learner, p: int, t: int, want) -> list:
+    """The sampler's programs of a step on ``copy``: the rollouts' prefill and decode and,
+    with tools, the later turns' (``continue``)."""
+    rl = learner.rl
+    episodes = learner.keeps_cache  # an episode's later turns continue each call's cache
+    if not (want("sample") or (episodes and want("continue"))):
+        return []
+    settings = dataclasses.replace(learner.sampler_settings(0), keep_cache=episodes)
+    programs, first_turn = generate_programs(copy, "sample", rl.prompts_per_step, p, settings)
+    programs = programs if want("sample") else []
+    if episodes and want("continue") and first_turn is not None:
+        programs += continuation_programs(copy, learner, p, t, first_turn)
+    return programs
 
 
-def _rng(step):
-    """The abstract PRNG key of a sampler call, replicated."""
-    return jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=step.replicated)
-
-
-def _decode(learner, name, decode, first, state, knobs, calls, f, t) -> tuple[Program, Any]:
-    """The decode program after ``first`` (a prefill or a later turn's resume, whose abstract
-    output is ``state``), and its own abstract output."""
-    step, mesh = learner.programs, learner.mesh
-    if first.compiled is not None:
-        state = jax.tree.map(abstract_array, state, first.compiled.output_shardings)
-    else:  # prefill did not fit: rows over data x fsdp, as the compiler would place them
-        rows = lambda x: (
-            sharding.batch_sharding(mesh, x.shape[0], x.ndim) if x.ndim else step.replicated
-        )  # noqa: E731
-        state = jax.tree.map(lambda x: abstract_array(x, rows(x)), state)
-    decode_w = flops.weight_bytes(step.model_cfg) / mesh.shape["tensor"] * t  # once per token
-    states = (step.params0, step.frozen)
-    second = _compile(f"{name}/decode", decode, (states, state, knobs), calls, f, decode_w, t)
-    out = None
-    if second.compiled is not None:
-        out = jax.eval_shape(decode, states, state, knobs)
-        out = jax.tree.map(abstract_array, out, second.compiled.output_shardings)
-    return second, out
-
-
-def _continuation(learner: Learner, p: int, t: int, first_turn: Any) -> list[Program]:
-    """Compiles the sampler of an episode's later turns (``jaxgrpo.agents.rollout``) at its
-    largest: every row calls a tool (padded as there), each continued from the first turn's
-    kept cache (``first_turn``, the decode's abstract output) with up to T - 1 earlier ids and
-    the widest appended chunk (``chunk_room``: its last kept id and results), then one sample
-    with its own budget."""
-    rl, mesh, step = learner.rl, learner.mesh, learner.programs
-    rows = bucket_length(rl.prompts_per_step * rl.group_size, 1)
-    rows += -rows % (mesh.shape["data"] * mesh.shape["fsdp"])
-    settings = dataclasses.replace(
-        learner.sampler_settings(0), max_lengths=np.full(rows, t, np.int32)
-    )
-    k = chunk_room(t)
-    batch = lambda shape: abstract_array(  # noqa: E731
-        np.zeros(shape, np.int32), sharding.batch_sharding(mesh, rows, len(shape))
-    )
-    ids = batch((rows, k))
-    resume, decode, knobs = resume_programs(step.graphdef, step.model_cfg, ids, settings)
-    knobs = _knobs(knobs, step.replicated)
-    states, cache = (step.params0, step.frozen), first_turn.cache
-    args = (states, cache, batch((rows,)), batch((rows,)), batch((rows,)), ids, ids, knobs)
-    args += (_rng(step),)
-    width = bucket_length(t - 1, 16)
-    cfg, turns = step.model_cfg, learner.cfg.agent.max_turns - 1
-    context = p + width + k
-    f = (flops.prefill(cfg, rows, k),) * 2, (flops.decode(cfg, rows, context, t),) * 2
-    w = flops.weight_bytes(cfg) / mesh.size
-    kwargs = {"width": width, "room": ids.shape[1]}
-    first = _compile("continue/resume", resume, args, turns, f[0], w, kwargs=kwargs)
-    state = jax.eval_shape(functools.partial(resume, **kwargs), *args)
-    return [first, _decode(learner, "continue", decode, first, state, knobs, turns, f[1], t)[0]]
-
-
-def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
-    """Compiles the step's programs whose names start with one of ``wanted`` (None: all)."""
+def _learner_programs(learner: Learner, p: int, t: int, want) -> tuple[list, dict]:
+    """The learner's programs of a step (scoring passes, reward models, the update), and the
+    persistent bytes per chip of each model on its mesh (``frozen.set_resident``)."""
     step, rl = learner.programs, learner.rl
     cfg = step.model_cfg
     b, n, d = rl.prompts_per_step, rl.prompts_per_step * rl.group_size, learner.mesh.size
-    want = lambda name: wanted is None or name.startswith(tuple(wanted))  # noqa: E731
     programs = []
-    episodes = learner.keeps_cache  # an episode's later turns continue each call's cache
-    settings = dataclasses.replace(learner.sampler_settings(0), keep_cache=episodes)
-    if want("sample") or (episodes and want("continue")):
-        sampled, first_turn = _sampler(learner, "sample", b, p, settings, d)
-        programs += sampled if want("sample") else []
-    if episodes and want("continue") and first_turn is not None:
-        programs += _continuation(learner, p, t, first_turn)
     batch = step.abstract_batch(p, t)
     inputs = (batch.prompt_ids, batch.prompt_mask, batch.tokens, batch.mask, batch.temps)
     score = (step.params0, step.frozen, *inputs, batch.packing, batch.shared_ids)
@@ -270,13 +125,15 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
     w = flops.weight_bytes(cfg) / d
     if passes and want("score"):
         f = (flops.score(cfg, b, p, n, t),) * 2
-        programs.append(_compile("score (ref/old)", step.logprobs, score, passes, f, w))
+        programs.append(compile_program("score (ref/old)", step.logprobs, score, passes, f, w))
     if step.teacher_logprobs is not None and want("score"):
         teacher = step.teacher_model_cfg
         f = (flops.score(teacher, b, p, n, t),) * 2
         args = (*step.teacher_weights, *inputs, batch.packing, batch.shared_ids)
         w_teacher = flops.weight_bytes(teacher) / d
-        programs.append(_compile("score (teacher)", step.teacher_logprobs, args, 1, f, w_teacher))
+        programs.append(
+            compile_program("score (teacher)", step.teacher_logprobs, args, 1, f, w_teacher)
+        )
         programs[-1].owner = "teacher"
     persistent = {"policy": frozen.per_chip_bytes((step.abstract_state(), step.frozen))}
     if step.teacher_weights is not None:
@@ -286,7 +143,7 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         persistent[call.owner] = frozen.per_chip_bytes(call.args[0])
         if want("score"):
             args = (call.name, call.jitted, call.args, call.calls, call.flops, call.weight_bytes)
-            programs.append(_compile(*args))
+            programs.append(compile_program(*args))
             programs[-1].owner = call.owner
     if want("update"):
         u = step.micro_batches(batch)
@@ -297,17 +154,51 @@ def _step_programs(learner: Learner, p: int, t: int, wanted) -> list[Program]:
         f = flops.update(cfg, *shape), flops.update(cfg.replace(remat=False), *shape)
         args = (step.abstract_state(), step.frozen, batch, idx)
         calls = rl.ppo_epochs * rl.num_minibatches
-        programs.append(_compile("update", step.update, args, calls, f, 3 * w))
+        programs.append(compile_program("update", step.update, args, calls, f, 3 * w))
+    return programs, persistent
+
+
+def _step_programs(learner: Learner, copy: SamplerCopy, p: int, t: int, wanted) -> list:
+    """Compiles the step's programs whose names start with one of ``wanted`` (None: all):
+    the sampler's on ``copy`` (its own devices, or the learner's), the rest on the
+    learner's mesh; and sets what stays resident beside each.
+
+    A lagging sampler (``rl.max_staleness`` = k >= 1) keeps k versions of the trainable
+    params: on the learner's devices all k beside the learner's state; on its own devices
+    k - 1 beside the one its programs take as an argument, and the frozen weights.
+    """
+    want = lambda name: wanted is None or name.startswith(tuple(wanted))  # noqa: E731
+    k, own = learner.rl.max_staleness, copy.mesh is not learner.mesh
+    sampled = _rollout_programs(copy, learner, p, t, want)
+    scored, persistent = _learner_programs(learner, p, t, want)
     if want("eval"):
-        programs += _sampler(learner, "eval", n, p, held_out.sampler_settings(learner), d)[0]
-    frozen.set_resident(programs, persistent)
-    return programs
+        settings = held_out.sampler_settings(learner)
+        n = learner.rl.prompts_per_step * learner.rl.group_size
+        sampled += generate_programs(copy, "eval", n, p, settings)[0]
+    trainable = frozen.per_chip_bytes(copy.params)
+    for program in sampled:
+        program.side, program.devices = "sampler", copy.mesh.size
+    for program in scored:
+        program.devices = learner.mesh.size
+    if own:
+        weights = frozen.per_chip_bytes((copy.params, copy.frozen))
+        frozen.set_resident(sampled, {"policy": weights, "versions": (k - 1) * trainable})
+        frozen.set_resident(scored, persistent)
+    else:
+        frozen.set_resident(sampled + scored, {**persistent, "versions": k * trainable})
+    # The step's order: rollouts, scoring and the update, then evaluation (compiled last).
+    rollouts = [x for x in sampled if not x.name.startswith("eval/")]
+    return rollouts + scored + sampled[len(rollouts) :]
 
 
 def compile_step(
     cfg: Any, preset: presets.Preset, prompt_len: int, only: tuple[str, ...] | None = None
 ) -> tuple[list[Program], dict]:
     """Compiles the programs of one training step of ``cfg`` on ``preset``'s slice.
+
+    With ``mesh.sampler_devices`` = N the learner's mesh takes the slice's first devices and
+    the sampler's (``checks.sampler_mesh_shape``) the last N, with its copy of the weights
+    (``SamplerCopy.own``).
 
     Args:
       cfg: the run's ``TrainConfig`` (its mesh resolved for the slice).
@@ -318,33 +209,66 @@ def compile_step(
         ``"score"``, ``"update"``, ``"eval"``); None compiles all.
 
     Returns:
-      (programs, facts): facts hold the mesh, model shape and what the learner decided.
+      (programs, facts): facts hold the meshes, model shape and what the learner decided.
     """
     devices = topology_devices(preset)
     platform = devices[0].platform
+    n = cfg.mesh.sampler_devices
     shape = {k: getattr(cfg.mesh, k) for k in ("data", "fsdp", "tensor")}
-    mesh = sharding.make_mesh(shape, devices)
+    mesh = sharding.make_mesh(shape, devices[: len(devices) - n])
     model_cfg = model_config(cfg.model, platform)
     others = memory.second_models(cfg, platform)
-    sources = memory.second_model_sources(cfg)
     learner = abstract_learner(cfg, mesh, model_cfg, others)
+    copy = SamplerCopy.shared(learner.programs)
+    if n:
+        own = sharding.make_mesh(sampler_mesh_shape(cfg, dict(mesh.shape)), devices[-n:])
+        for side, side_mesh, names in (("learner", mesh, LEARNER), ("sampler", own, SAMPLER)):
+            if only is None or any(x.startswith(tuple(only)) for x in names):
+                _check_part_of_slice(side, side_mesh, preset)
+        copy = SamplerCopy.own(learner.programs, own)
     tool_tokens = tool_prompt_tokens(learner.agent)
     p, t = bucket_length(prompt_len + tool_tokens), cfg.sampling.max_new_tokens
-    programs = _step_programs(learner, p, t, only)
-    rules = sharding.sampling_rules(mesh, flops.weight_bytes(model_cfg))
+    programs = _step_programs(learner, copy, p, t, only)
+    facts = _facts(cfg, preset, devices, learner, copy, model_cfg, others)
+    facts.update(prompt_len=p, tool_prompt_tokens=tool_tokens, max_new_tokens=t)
+    return programs, facts
+
+
+def _check_part_of_slice(side: str, mesh, preset: presets.Preset) -> None:
+    """Refuses, in one line, a side whose devices the compiler will not take as a program's:
+    XLA:TPU on chips with limited ICI routing refuses some programs over part of a slice (on
+    v5e-32 and v5e-64 any that includes the slice's first chip). A one-row sum over the mesh
+    asks it in well under a second, before the step's programs take minutes."""
+    x = jax.ShapeDtypeStruct(
+        (mesh.size, 128), jnp.float32, sharding=sharding.batch_sharding(mesh, mesh.size, 2)
+    )
+    try:
+        jax.jit(lambda a: a.sum(0)).lower(x).compile()
+    except jax.errors.JaxRuntimeError as e:
+        reason = str(e).splitlines()[0]
+        raise ValueError(
+            f"mesh.sampler_devices: the compiler refuses a program over the {side}'s "
+            f"{mesh.size} of {preset.name}'s {preset.devices} chips ({reason}): set "
+            "mesh.sampler_devices=0 (rl.max_staleness alone keeps the lag), or use a slice "
+            "that takes programs over part of it (v5p)"
+        ) from None
+
+
+def _facts(cfg, preset, devices, learner, copy, model_cfg, others) -> dict:
+    """What the report says of the run besides its programs."""
+    sources = memory.second_model_sources(cfg)
+    rules = sharding.sampling_rules(copy.mesh, flops.weight_bytes(model_cfg))
+    k = cfg.rl.max_staleness
     facts = dict(
         topology=preset.name,
-        platform=platform,
+        platform=devices[0].platform,
         devices=len(devices),
         hosts=len({dev.process_index for dev in devices}),
-        mesh=dict(mesh.shape),
+        mesh=dict(learner.mesh.shape),
         model=cfg.model.source,
         params=memory.base_param_count(model_cfg),
         lora_params=memory.lora_param_count(model_cfg),
         tuning="LoRA" if model_cfg.lora else "full",
-        prompt_len=p,
-        tool_prompt_tokens=tool_tokens,
-        max_new_tokens=t,
         sample_rules=sharding.rules_name(rules),
         updates_per_step=learner.programs.updates_per_step,
         old_logp=learner.programs.old_from,
@@ -355,5 +279,22 @@ def compile_step(
             name: {"source": sources[name][1], "params": memory.base_param_count(m)}
             for name, m in others.items()
         },
+        max_staleness=k,
+        trainable_bytes_per_chip=frozen.per_chip_bytes(learner.programs.params0),
     )
-    return programs, facts
+    if copy.mesh is not learner.mesh:
+        sampler_devices = list(copy.mesh.devices.flat)
+        facts["sampler"] = dict(
+            devices=copy.mesh.size,
+            mesh=dict(copy.mesh.shape),
+            hosts=len({dev.process_index for dev in sampler_devices}),
+            device_ids=sorted(dev.id for dev in sampler_devices),
+            trainable_bytes_per_chip=frozen.per_chip_bytes(copy.params),
+            frozen_bytes_per_chip=frozen.per_chip_bytes(copy.frozen),
+        )
+        facts["learner_devices"] = learner.mesh.size
+        facts["transfer_bytes"] = sum(
+            math.prod(x.shape) * np.dtype(x.dtype).itemsize
+            for x in jax.tree.leaves(learner.programs.params0)
+        )
+    return facts

@@ -13,6 +13,14 @@ one more sampler, ``continue``: an episode's later turns, every row resumed from
 with a result appended (``resume``), then decoded. A table on
 stdout, everything with ``--json OUT``; ``--table`` compiles a models x slices grid
 (``TABLE_MODELS`` x ``TABLE_SLICES``) instead.
+
+Asynchronous rollouts (``rl.max_staleness`` >= 1, ``jaxgrpo.planning.split``): with
+``mesh.sampler_devices`` = N the sampler's programs compile on the slice's last N chips and
+the learner's on the rest, each row naming its side; the report adds the weight transfer per
+update and the split step, max(sampler side, learner side) + transfer, beside the synchronous
+run's step on the whole slice: compiled in the same call, or read from ``--baseline`` (a
+``--json`` report of that run). A sampler side that cannot hold its weights is refused
+before anything compiles.
 """
 
 from __future__ import annotations
@@ -72,7 +80,8 @@ def _suggest(name: str, mem: dict, cfg: Any) -> str:
             return "model.param_dtype='bfloat16'"
         return "a larger slice or mesh.fsdp (weights are split over fsdp x tensor)"
     if name.endswith("decode") or name.endswith("prefill"):
-        return "mesh.tensor > 1, or fewer rl.prompts_per_step / sampling.max_new_tokens"
+        more = "more mesh.sampler_devices or " if cfg.mesh.sampler_devices else ""
+        return f"{more}mesh.tensor > 1, or fewer rl.prompts_per_step / sampling.max_new_tokens"
     if not cfg.model.remat:
         return "model.remat=True"
     if cfg.model.remat_policy == "projections":
@@ -91,10 +100,10 @@ def _collectives_text(coll: dict) -> str:
 
 def _program_row(p, cfg: Any, facts: dict, chip) -> dict[str, Any]:
     """One program's report: memory and verdict, FLOPs, collectives, times, estimate."""
-    from jaxgrpo.planning import aot, hlo  # jax-dependent: imported after the devices are set
+    from jaxgrpo.planning import hlo, program  # jax-dependent: after the devices are set
 
     if p.compiled is None:  # refused by the compiler: only the bytes it needed are known
-        need, _ = aot.oom_bytes(p.oom)
+        need, _ = program.oom_bytes(p.oom)
         mem = dict.fromkeys(FIELDS[:-1])
         mem.update(temporaries=need, total=need)
         coll, xla_flops = {"program": {}, "loop_body": {}, "loops": 0}, 0.0
@@ -102,11 +111,11 @@ def _program_row(p, cfg: Any, facts: dict, chip) -> dict[str, Any]:
         mem = _memory(p.compiled)
         coll = hlo.collectives(p.compiled.as_text(), p.loop_trips)
         xla_flops = float(p.compiled.cost_analysis().get("flops", 0.0))
-    # What other programs keep on the chips meanwhile (a second model's weights, or the
-    # policy's state beside the second model's program).
+    # What other programs keep on the chips meanwhile (a second model's weights, the
+    # policy's state beside the second model's program, a lagging sampler's versions).
     mem["resident"] = int(p.resident_bytes)
     mem["total"] += mem["resident"]
-    per_chip = p.flops / facts["devices"]
+    per_chip = p.flops / p.devices
     terms = dict(
         compute=per_chip / chip.bf16_flops,
         memory=p.weight_bytes / chip.hbm_bw,
@@ -115,6 +124,8 @@ def _program_row(p, cfg: Any, facts: dict, chip) -> dict[str, Any]:
     fits = p.compiled is not None and mem["total"] <= chip.hbm_bytes
     return dict(
         program=p.name,
+        side=p.side,
+        devices=p.devices,
         calls=p.calls,
         memory=mem,
         fits=fits,
@@ -139,12 +150,17 @@ def report(cfg: Any, programs: list, facts: dict, preset) -> dict[str, Any]:
     """The JSON report of one compiled step (see the module docstring).
 
     The step's memory is its largest program's: every program takes the persistent state
-    (weights, optimizer state, reference) as arguments, and they run one at a time.
+    (weights, optimizer state, reference) as arguments, and they run one at a time on a
+    side. With a sampler on devices of its own the step's estimate is the split's
+    (``split.summary``), else the programs' sum.
     """
+    from jaxgrpo.planning import split
+
     chip = preset.specs
     hbm = chip.hbm_bytes
     rows = [_program_row(p, cfg, facts, chip) for p in programs]
-    step_s = sum(r["estimate_s"] * r["calls"] for r in rows)
+    sides = split.summary(rows, facts, chip) if "sampler" in facts else None
+    step_s = sides["estimate_s"] if sides else sum(r["estimate_s"] * r["calls"] for r in rows)
     step_flops = sum(r["model_flops"] * r["calls"] for r in rows)
     peak = max(r["memory"]["total"] for r in rows)
     mfu = step_flops / (step_s * facts["devices"] * chip.bf16_flops) if step_s else 0.0
@@ -158,7 +174,10 @@ def report(cfg: Any, programs: list, facts: dict, preset) -> dict[str, Any]:
         mfu_estimate=mfu,
         flops=step_flops,
     )
-    return dict(facts=facts, programs=rows, step=step)
+    rep = dict(facts=facts, programs=rows, step=step)
+    if sides:
+        rep["split"] = sides
+    return rep
 
 
 def _tools_text(facts: dict) -> str:
@@ -166,23 +185,37 @@ def _tools_text(facts: dict) -> str:
     return f" (with ~{tokens} tokens of tool description)" if tokens else ""
 
 
+def _mesh_text(facts: dict) -> str:
+    if "sampler" not in facts:
+        return f"mesh {facts['mesh']}"
+    sampler = facts["sampler"]
+    return (
+        f"learner mesh {facts['mesh']} on the first {facts['learner_devices']}, sampler mesh "
+        f"{sampler['mesh']} on the last {sampler['devices']}"
+    )
+
+
 def render(rep: dict) -> str:
-    """The human-readable table of a report."""
+    """The human-readable table of a report (with a side column when the sampler has devices
+    of its own)."""
+    from jaxgrpo.planning import split
+
     f, s = rep["facts"], rep["step"]
     others = "".join(
         f", {name} {m['source']} ({m['params'] / 1e9:.2f} B, frozen)"
         for name, m in f.get("second_models", {}).items()
     )
+    sided = "sampler" in f
     lines = [
         f"{f['model']} ({f['tuning']}, {f['params'] / 1e9:.2f} B){others} on {f['topology']}: "
-        f"{f['devices']} devices, {f['hosts']} hosts, mesh {f['mesh']}, "
+        f"{f['devices']} devices, {f['hosts']} hosts, {_mesh_text(f)}, "
         f"P={f['prompt_len']}{_tools_text(f)}, T={f['max_new_tokens']}, "
         f"sampler rules: {f['sample_rules']}",
         "",
-        "| program | calls | args GiB | out GiB | temp GiB | code MiB | alias GiB | resident GiB "
-        "| total GiB | fits | compile s | TFLOP/chip | est. s | collectives (per call) "
-        "| decode-step collectives |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---|---|",
+        "| program | " + "side | " * sided + "calls | args GiB | out GiB | temp GiB | code MiB "
+        "| alias GiB | resident GiB | total GiB | fits | compile s | TFLOP/chip | est. s "
+        "| collectives (per call) | decode-step collectives |",
+        "|---|" + "---|" * sided + "---:|" * 8 + "---|---:|---:|---:|---|---|",
     ]
     for r in rep["programs"]:
         m = r["memory"]
@@ -190,8 +223,9 @@ def render(rep: dict) -> str:
         gib = [_gib(m[k]) for k in ("arguments", "outputs", "temporaries")]
         code = "-" if m["generated_code"] is None else f"{m['generated_code'] / 2**20:.1f}"
         verdict = "yes" if r["fits"] else "NO: " + r["suggestion"]
+        side = f"{r['side']} | " if sided else ""
         lines.append(
-            f"| {r['program']} | {r['calls']} | {' | '.join(gib)} | {code} | "
+            f"| {r['program']} | {side}{r['calls']} | {' | '.join(gib)} | {code} | "
             f"{_gib(m['aliased'])} | {_gib(m['resident'])} | {_gib(m['total'])} | {verdict} | "
             f"{r['compile_s']:.1f} | "
             f"{r['flops_per_chip'] / 1e12:.2f} | {r['estimate_s']:.3f} | "
@@ -204,6 +238,7 @@ def render(rep: dict) -> str:
         f"chip, headroom {s['headroom_bytes'] / GIB:.2f} GiB); compile {s['compile_s']:.1f} s; "
         f"estimated step {s['estimate_s']:.2f} s, MFU {100 * s['mfu_estimate']:.1f}% "
         "(roofline estimate from the chip table, not a measurement)",
+        *split.render_lines(rep),
     ]
     return "\n".join(lines)
 
@@ -224,7 +259,7 @@ def compile_config(
 ) -> dict:
     """Compiles config ``name`` (with the slice's preset mesh, then ``overrides``) for
     ``topology`` and returns its report; ``only`` as in ``jaxgrpo.planning.aot.compile_step``."""
-    from jaxgrpo.planning import aot
+    from jaxgrpo.planning import aot, refusals
     from jaxgrpo.settings.loading import load_config
     from jaxgrpo.settings.schema import resolve_mesh_shape
 
@@ -233,34 +268,11 @@ def compile_config(
     if any(k.startswith("mesh.") for k in overrides):
         mesh["mesh.fsdp"] = -1  # the overrides reshape the mesh; fsdp takes the rest
     cfg = load_config(name, {**mesh, **overrides})
-    sizes = resolve_mesh_shape(cfg, preset.devices)  # the batch layout check, with devices
-    check_second_models(cfg, sizes, preset, prompt_len)
+    sizes = resolve_mesh_shape(cfg, preset.devices)  # the learner's, checked with devices
+    refusals.check_second_models(cfg, sizes, preset, prompt_len)
+    refusals.check_sampler_side(cfg, sizes, preset, prompt_len)
     programs, facts = aot.compile_step(cfg, preset, prompt_len, only)
     return report(cfg, programs, facts, preset)
-
-
-def check_second_models(cfg: Any, mesh: dict[str, int], preset, prompt_len: int) -> None:
-    """Refuses, in one line naming the key and the knobs, a second model (teacher, reward
-    model) whose weights do not fit beside the policy's persistent state on the slice's
-    chips (``memory.estimate``), before anything compiles."""
-    from jaxgrpo.planning import memory
-
-    model_cfg, run = memory.from_train_config(cfg, prompt_len)
-    others = memory.second_models(cfg)
-    est = memory.estimate(model_cfg, run, mesh, preset.hbm_bytes, others)
-    static = sum(est[k] for k in ("params", "grads", "opt_state", "ref_params", *others))
-    usable = 0.9 * preset.hbm_bytes
-    if not others or static <= usable:
-        return
-    name = max(others, key=lambda n: est[n])  # the largest second model is named
-    key = memory.second_model_sources(cfg)[name][0]
-    bf16 = ", set model.param_dtype='bfloat16'" * (cfg.model.param_dtype == "float32")
-    raise ValueError(
-        f"{key}: the {name}'s weights ({_gib(est[name])} GiB per chip) and the policy's "
-        f"state ({_gib(static - est[name])} GiB) exceed {_gib(usable)} GiB per chip on "
-        f"{preset.name} (mesh {mesh}): raise mesh.fsdp or mesh.tensor{bf16}, or use a "
-        "larger slice"
-    )
 
 
 def table_rows(reports: list[dict]) -> str:
@@ -315,6 +327,21 @@ def _table(args, overrides: dict) -> int:
     return 0
 
 
+def _compare_synchronous(args, overrides: dict, only, rep: dict) -> None:
+    """Sets the synchronous run on the whole slice beside a split one: ``--baseline``'s
+    report, or the same config compiled again without the lag and the sampler's devices
+    (the honest figure for the same programs, at the cost of a second compile)."""
+    from jaxgrpo.planning import split
+
+    if args.baseline:
+        with open(args.baseline, encoding="utf-8") as f:
+            split.compare(rep, json.load(f), f"from {args.baseline}")
+        return
+    sync = split.synchronous_overrides(overrides)
+    baseline = compile_config(args.config, args.topology, sync, args.prompt_len, only)
+    split.compare(rep, baseline, "compiled in this call")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """CLI; see the module docstring."""
     parser = argparse.ArgumentParser(prog="python -m jaxgrpo.compile", description=__doc__)
@@ -327,6 +354,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--only",
         nargs="*",
         help="program name prefixes: sample, continue, score, update, eval (all)",
+    )
+    parser.add_argument(
+        "--baseline",
+        help="a sampler on devices of its own: the synchronous run's --json report to compare "
+        "with (default: compile it too)",
     )
     parser.add_argument("--models", nargs="*", help="--table: architectures (default: the five)")
     parser.add_argument("--slices", nargs="*", help="--table: slices (default: the four)")
@@ -345,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         only = tuple(args.only) if args.only else None
         rep = compile_config(args.config, args.topology, overrides, args.prompt_len, only)
+        if "split" in rep:
+            _compare_synchronous(args, overrides, only, rep)
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -37,7 +37,8 @@ def per_chip_bytes(tree) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class ScoringCall:
-    """One reward model's scoring program, ready to lower: what ``aot._compile`` takes.
+    """One reward model's scoring program, ready to lower: what
+    ``program.compile_program`` takes.
 
     Attributes:
       name: the program's name in the report (``score (reward_model[i])``).

@@ -32,6 +32,11 @@ The estimate is arithmetic on the model's shapes, with no model built:
 * second models (a distillation teacher, reward models): their frozen weights in the parameter
   dtype, split over ``fsdp * tensor`` by the same rules; their scoring passes keep no
   activations for a backward pass, so they add to the resident weights only.
+* asynchronous rollouts (``rl.max_staleness`` = k >= 1): on shared devices
+  (``mesh.sampler_devices`` = 0) the run keeps k more copies of the trainable parameters, the
+  versions the sampler may still sample with (``stale_params``); with N > 0 sampler devices the
+  learner's chips sample nothing, and ``sampler_side`` sizes the sampler's: the frozen weights
+  once, k versions of the trainable ones, the decode's KV cache and its resharded weights.
 
 Parameters, optimizer state and cache are checked against real arrays by the tests; the
 activations are an order-of-magnitude figure (XLA fuses and reuses buffers), checked against
@@ -90,6 +95,11 @@ def outside_layers_param_count(cfg: ModelConfig) -> int:
     return cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2) + d
 
 
+def trainable_param_count(cfg: ModelConfig) -> int:
+    """Elements the optimizer trains: the LoRA adapters under LoRA, every weight otherwise."""
+    return lora_param_count(cfg) if cfg.lora else base_param_count(cfg)
+
+
 def lora_param_count(cfg: ModelConfig) -> int:
     """Elements of the LoRA adapters: ``R * (in + out)`` per targeted projection and layer."""
     if cfg.lora is None:
@@ -115,6 +125,9 @@ class RunShape:
       packed: ``rl.pack_completions``: the update's rows are a micro-batch's prompts, each
         packing its G completions; they split over data x fsdp only when they divide evenly
         (else every device scores all of them, as ``sharding.batch_sharding`` places them).
+      max_staleness: ``rl.max_staleness``, k: the policy versions a batch may lag; the
+        sampler keeps k versions of the trainable parameters.
+      sampler_devices: ``mesh.sampler_devices``: devices of the sampler's own (0 = shared).
     """
 
     prompts: int
@@ -125,6 +138,10 @@ class RunShape:
     grad_accum: int = 1
     reference: bool = False
     packed: bool = True
+    # Left out of the repr, which `python -m jaxgrpo.memory --table` prints above the
+    # synchronous fit table (launch/README.md quotes it).
+    max_staleness: int = dataclasses.field(default=0, repr=False)
+    sampler_devices: int = dataclasses.field(default=0, repr=False)
 
     def with_grad_accum(self, grad_accum: int) -> RunShape:
         """The same run with ``grad_accum`` micro-batches per update (minibatches kept)."""
@@ -165,24 +182,28 @@ def estimate(
     Args:
       cfg: the model (``cfg.lora`` None = full fine-tuning).
       run: batch layout.
-      mesh: ``{"data", "fsdp", "tensor"}`` sizes; None = one device.
+      mesh: ``{"data", "fsdp", "tensor"}`` sizes; None = one device. With
+        ``run.sampler_devices`` > 0 it is the learner's mesh (``sampler_side`` sizes the
+        sampler's).
       hbm_bytes: memory per device, which decides the sampler's weight layout
         (``sharding.sampling_rules``); None = replicated over data x fsdp.
       others: frozen second models by name (``second_models``): a part each.
 
     Returns:
-      ``params`` (frozen + trainable), ``grads``, ``opt_state``, ``ref_params``, ``kv_cache``,
-      ``sample_weights`` (the decode program's copies of the weights: resharded for sampling
-      and laid out per layer, see ``jaxgrpo.sampling.generate``), ``activations`` and
-      ``total`` = the first four and the second models + max(kv_cache + sample_weights,
-      activations) (sampling and the update do not overlap).
+      ``params`` (frozen + trainable), ``grads``, ``opt_state``, ``ref_params``,
+      ``stale_params`` (the k versions the sampler may sample with, on shared devices),
+      ``kv_cache``, ``sample_weights`` (the decode program's copies of the weights:
+      resharded for sampling and laid out per layer, see ``jaxgrpo.sampling.generate``; both
+      0 when the sampler has devices of its own), ``activations`` and ``total`` = the first
+      five and the second models + max(kv_cache + sample_weights, activations) (sampling and
+      the update do not overlap).
     """
     mesh = {"data": 1, "fsdp": 1, "tensor": 1, **(mesh or {})}
     shard = mesh["fsdp"] * mesh["tensor"]
     rows_split = mesh["data"] * mesh["fsdp"]
-    pb, cb = _BYTES[cfg.param_dtype], _BYTES[cfg.dtype]
+    pb = _BYTES[cfg.param_dtype]
     lora = lora_param_count(cfg)
-    trainable = (lora if cfg.lora else base_param_count(cfg)) * pb / shard
+    trainable = trainable_param_count(cfg) * pb / shard
     out = {"params": (base_param_count(cfg) + lora) * pb / shard}
     # Over micro-batches, a second gradient sits beside the running sum; full fine-tuning may
     # add the layers' share into the sum in place (`ModelConfig.adds_layer_gradients_in_place`).
@@ -194,23 +215,68 @@ def estimate(
     # LoRA: zero adapters in the state. Full fine-tuning: the initial weights ("params") are
     # the reference, and this is the trained copy the state holds beside them.
     out["ref_params"] = trainable if run.reference else 0.0
-    rows = math.ceil(run.prompts * run.group / rows_split)
-    seq = run.prompt_len + run.new_tokens
-    kv_heads = max(1, cfg.num_kv_heads // mesh["tensor"])
-    out["kv_cache"] = 2.0 * cfg.num_layers * rows * seq * kv_heads * cfg.head_dim * cb
-    weights = (base_param_count(cfg) + lora) * cb
-    layout = "sample" if hbm_bytes is None else sampling_layout(mesh, weights, hbm_bytes)
-    split = {"sample": 2.0 / mesh["tensor"], "sample_tp": 2.0 / shard, "train": 1.0 / shard}
-    out["sample_weights"] = weights * split[layout]
+    shared = run.sampler_devices == 0
+    out["stale_params"] = run.max_staleness * trainable if shared else 0.0
+    out["kv_cache"] = _kv_cache(cfg, run, mesh) if shared else 0.0
+    out["sample_weights"] = _sample_weights(cfg, mesh, hbm_bytes) if shared else 0.0
     out["activations"] = _activations(cfg, run, rows_split, mesh["tensor"])
     if mesh["fsdp"] > 1:  # the update gathers fsdp-sharded weights whole over fsdp
-        out["activations"] += _gathered_weights(cfg) * cb / mesh["tensor"]
-    static = out["params"] + out["grads"] + out["opt_state"] + out["ref_params"]
+        out["activations"] += _gathered_weights(cfg) * _BYTES[cfg.dtype] / mesh["tensor"]
+    static = sum(out[k] for k in ("params", "grads", "opt_state", "ref_params", "stale_params"))
     for name, other in (others or {}).items():
         out[name] = base_param_count(other) * _BYTES[other.param_dtype] / shard
         static += out[name]
     out["total"] = static + max(out["kv_cache"] + out["sample_weights"], out["activations"])
     return out
+
+
+def sampler_side(
+    cfg: ModelConfig, run: RunShape, mesh: dict[str, int], hbm_bytes: float | None = None
+) -> dict[str, float]:
+    """Bytes per device of the sampler's own devices (``mesh.sampler_devices`` > 0).
+
+    Args:
+      cfg: the policy.
+      run: batch layout; ``run.max_staleness`` = k trainable versions are kept.
+      mesh: the sampler's mesh (``jaxgrpo.settings.checks.sampler_mesh_shape``).
+      hbm_bytes: as in ``estimate``.
+
+    Returns:
+      ``frozen`` (the weights no update changes, held once: the base model under LoRA),
+      ``trainable_copies`` (k versions of the trainable parameters; the learner sends each
+      new one after its update), ``kv_cache`` and ``sample_weights`` (the decode program's),
+      and ``total``, their sum. Both weight parts split over fsdp x tensor as
+      ``sharding.TRAIN_RULES`` place them, the layout the transfer lands in.
+    """
+    mesh = {"data": 1, "fsdp": 1, "tensor": 1, **mesh}
+    shard, pb = mesh["fsdp"] * mesh["tensor"], _BYTES[cfg.param_dtype]
+    trainable = trainable_param_count(cfg)
+    out = {
+        "frozen": (base_param_count(cfg) + lora_param_count(cfg) - trainable) * pb / shard,
+        "trainable_copies": run.max_staleness * trainable * pb / shard,
+        "kv_cache": _kv_cache(cfg, run, mesh),
+        "sample_weights": _sample_weights(cfg, mesh, hbm_bytes),
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def _kv_cache(cfg: ModelConfig, run: RunShape, mesh: dict[str, int]) -> float:
+    """The sampler's KV cache: ``2 * L * rows * (P + T) * K * H`` in the compute dtype, rows
+    over data x fsdp, K over tensor."""
+    rows = math.ceil(run.prompts * run.group / (mesh["data"] * mesh["fsdp"]))
+    seq = run.prompt_len + run.new_tokens
+    kv_heads = max(1, cfg.num_kv_heads // mesh["tensor"])
+    return 2.0 * cfg.num_layers * rows * seq * kv_heads * cfg.head_dim * _BYTES[cfg.dtype]
+
+
+def _sample_weights(cfg: ModelConfig, mesh: dict[str, int], hbm_bytes: float | None) -> float:
+    """The decode program's copies of the weights (see the module docstring)."""
+    weights = (base_param_count(cfg) + lora_param_count(cfg)) * _BYTES[cfg.dtype]
+    layout = "sample" if hbm_bytes is None else sampling_layout(mesh, weights, hbm_bytes)
+    shard = mesh["fsdp"] * mesh["tensor"]
+    split = {"sample": 2.0 / mesh["tensor"], "sample_tp": 2.0 / shard, "train": 1.0 / shard}
+    return weights * split[layout]
 
 
 def _gathered_weights(cfg: ModelConfig) -> float:
@@ -312,5 +378,7 @@ def from_train_config(cfg: Any, prompt_len: int, model: str | None = None):
         # The teacher as the KL's target replaces the reference: no copy is kept.
         reference=scores_reference(rl) and not (cfg.teacher.enabled and cfg.teacher.as_reference),
         packed=rl.pack_completions,
+        max_staleness=rl.max_staleness,
+        sampler_devices=cfg.mesh.sampler_devices,
     )
     return model_cfg, run

@@ -1,7 +1,9 @@
 """The memory estimate as printed tables, and the ``python -m jaxgrpo.memory`` command line.
 
-``report`` is one run's estimate part by part on one slice; ``fit_table`` is which model sizes
-fit on which slices (launch/README.md's table). The arithmetic is ``jaxgrpo.planning.memory``'s.
+``report`` is one run's estimate part by part on one slice (with ``mesh.sampler_devices`` > 0
+the learner's part on its devices and the sampler's on its own, ``split_meshes``);
+``fit_table`` is which model sizes fit on which slices (launch/README.md's table). The
+arithmetic is ``jaxgrpo.planning.memory``'s.
 """
 
 from __future__ import annotations
@@ -13,14 +15,33 @@ from collections.abc import Sequence
 from jaxgrpo.core.presets import ARCHITECTURES, GIB, PRESETS, get_preset
 from jaxgrpo.models.config import LoRAConfig, ModelConfig
 from jaxgrpo.planning import memory
+from jaxgrpo.settings.checks import sampler_mesh_shape
 from jaxgrpo.settings.loading import config_override, load_config
 
 # Architectures that repeat another one's shape: left out of the fit table.
 TABLE_DUPLICATES = ("Llama-3.1-8B-Instruct", "Meta-Llama-3.1-8B-Instruct-abliterated")
+# Parts printed only when a run has them: a lagging sampler's versions on shared devices, and
+# the sampling parts, which a learner whose sampler has devices of its own does not hold.
+OPTIONAL_PARTS = ("stale_params", "kv_cache", "sample_weights")
 
 
 def _gib(x: float) -> str:
     return f"{x / GIB:.2f}"
+
+
+def split_meshes(cfg, preset: str) -> tuple[dict[str, int], dict[str, int]]:
+    """(the learner's mesh, the sampler's) when ``cfg.mesh.sampler_devices`` = N > 0 on
+    ``preset``: the preset's data and tensor axes with fsdp over all but the last N devices,
+    and the sampler's mesh over those (``checks.sampler_mesh_shape``)."""
+    p, n = get_preset(preset), cfg.mesh.sampler_devices
+    fixed = p.mesh["data"] * p.mesh["tensor"]
+    if n >= p.devices or (p.devices - n) % fixed:
+        raise ValueError(
+            f"mesh.sampler_devices: {n} of {p.name}'s {p.devices} devices leaves the learner "
+            f"{p.devices - n}, not a multiple of the preset's data x tensor = {fixed}"
+        )
+    learner = {**p.mesh, "fsdp": (p.devices - n) // fixed}
+    return learner, sampler_mesh_shape(cfg, learner)
 
 
 def report(
@@ -28,18 +49,24 @@ def report(
     run: memory.RunShape,
     preset: str | None,
     second: dict[str, ModelConfig] | None = None,
+    sides: tuple[dict[str, int], dict[str, int]] | None = None,
 ) -> str:
     """A Markdown table of ``estimate`` for one run (on a preset's mesh, or one device), with
-    a line for each frozen second model (``memory.second_models``).
+    a line for each frozen second model (``memory.second_models``); with ``sides`` (the
+    learner's and the sampler's meshes, ``split_meshes``) the learner's table on its mesh and
+    the sampler's own (``memory.sampler_side``).
 
     On a preset whose data x fsdp does not divide the run's micro-batch, the estimate is for
     the largest ``grad_accum`` that does (``fitting_grad_accum``), and the report says so.
     """
     p = get_preset(preset) if preset else None
+    if run.sampler_devices and not (p and sides):
+        return "mesh.sampler_devices > 0 splits a slice: name it with --preset"
+    mesh = sides[0] if sides else p.mesh if p else None
     note = ""
     if p:
-        shards = p.mesh["data"] * p.mesh["fsdp"]
-        g = memory.fitting_grad_accum(run, p.mesh)
+        shards = mesh["data"] * mesh["fsdp"]
+        g = memory.fitting_grad_accum(run, mesh)
         if g == 0:
             return (
                 f"{p.name}: a batch of {run.prompts * run.group} sequences cannot split over "
@@ -51,8 +78,10 @@ def report(
                 f"data x fsdp = {shards} devices: estimated with --config.rl.grad_accum={g}\n\n"
             )
             run = run.with_grad_accum(g)
-    est = memory.estimate(cfg, run, p.mesh if p else None, p.hbm_bytes if p else None, second)
-    where = f"{p.name} mesh {p.mesh}" if p else "one device"
+    est = memory.estimate(cfg, run, mesh, p.hbm_bytes if p else None, second)
+    where = f"{p.name} mesh {mesh}" if p else "one device"
+    if sides:
+        where = f"{p.name}, the learner's first {p.devices - run.sampler_devices}: mesh {mesh}"
     others = "".join(
         f", {name} {memory.base_param_count(m) / 1e9:.3f} B parameters (frozen)"
         for name, m in (second or {}).items()
@@ -65,11 +94,37 @@ def report(
         "| part | GiB |",
         "|---|---:|",
     ]
-    lines += [f"| {k} | {_gib(v)} |" for k, v in est.items()]
+    lines += [f"| {k} | {_gib(v)} |" for k, v in est.items() if v or k not in OPTIONAL_PARTS]
     if p:
-        verdict = "fits" if est["total"] <= 0.9 * p.hbm_bytes else "does NOT fit"
-        lines.append(f"\n{verdict} in {p.hbm_bytes / GIB:.0f} GiB per device (90% usable)")
+        lines.append(_verdict(est["total"], p.hbm_bytes))
+    if run.max_staleness and not sides:
+        lines.append(
+            f"stale_params: rl.max_staleness = {run.max_staleness} extra copies of the "
+            "trainable params, the versions the sampler may still sample with"
+        )
+    if sides:
+        lines += _sampler_lines(cfg, run, p, sides[1])
     return "\n".join(lines)
+
+
+def _verdict(total: float, hbm_bytes: float) -> str:
+    verdict = "fits" if total <= 0.9 * hbm_bytes else "does NOT fit"
+    return f"\n{verdict} in {hbm_bytes / GIB:.0f} GiB per device (90% usable)"
+
+
+def _sampler_lines(cfg: ModelConfig, run: memory.RunShape, p, mesh: dict[str, int]) -> list:
+    """The sampler's own devices, part by part (``memory.sampler_side``)."""
+    est = memory.sampler_side(cfg, run, mesh, p.hbm_bytes)
+    lines = [
+        "",
+        f"Sampler, {p.name}'s last {run.sampler_devices} devices: mesh {mesh}, "
+        f"{run.max_staleness} version(s) of the trainable params",
+        "",
+        "| part | GiB |",
+        "|---|---:|",
+    ]
+    lines += [f"| {k} | {_gib(v)} |" for k, v in est.items()]
+    return lines + [_verdict(est["total"], p.hbm_bytes)]
 
 
 def fit_table(
@@ -145,7 +200,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.error("--config (or --table) is required")
         cfg = load_config(args.config, overrides)
         model_cfg, run = memory.from_train_config(cfg, args.prompt_len, args.model)
-        print(report(model_cfg, run, args.preset, memory.second_models(cfg)))
+        sides = split_meshes(cfg, args.preset) if run.sampler_devices and args.preset else None
+        print(report(model_cfg, run, args.preset, memory.second_models(cfg), sides))
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
