@@ -159,7 +159,7 @@ def test_a_hanging_reward_on_the_rollout_thread_is_stopped_at_its_time_limit():
 
 
 def test_dropping_stale_batches_keeps_every_trained_batch_within_the_lag():
-    """"drop": the producer samples with the newest weights it has and never waits for them;
+    """ "drop": the producer samples with the newest weights it has and never waits for them;
     the learner drops what is more than max_staleness versions old (how many depends on
     timing, so only the bound is checked)."""
     overrides = {"rl.max_staleness": 1, "rl.stale_batches": "drop"}
