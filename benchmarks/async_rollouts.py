@@ -18,7 +18,7 @@ standard error, the mean lag, how long the learner waited for batches, and the l
 correction's weights.
 
     python benchmarks/async_rollouts.py [--workload format_copy] [--sleep 2] [--steps 20]
-        [--lags 0,1,2]
+        [--lags 0,1,2] [--set --config.rl.lag_correction=mask ...]
 """
 
 from __future__ import annotations
@@ -50,13 +50,14 @@ def sleeping_judge(prompts, completions, **_):
     return [0.0] * len(completions)
 
 
-def run_arm(workload: str, lag: int, steps: int, sleep: float, run_dir: str) -> dict:
-    """Trains one arm; its step rows, final held-out metrics and wall time."""
+def run_arm(workload: str, lag: int, steps: int, sleep: float, run_dir: str, extra=()) -> dict:
+    """Trains one arm (``extra``: more ``--config.*`` overrides); its step rows, final
+    held-out metrics and wall time."""
     cmd = [
         sys.executable, "-m", "jaxgrpo.train", *WORKLOADS[workload],
         f"--config.steps={steps}", f"--config.rl.max_staleness={lag}",
         "--config.eval.every=0", "--config.checkpoint.every=0",
-        "--config.logging.progress=False", f"--config.run_dir={run_dir}",
+        "--config.logging.progress=False", f"--config.run_dir={run_dir}", *extra,
     ]  # fmt: skip
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
@@ -121,11 +122,13 @@ def main() -> None:
     parser.add_argument("--sleep", type=float, default=2.0, help="the judge's seconds per batch")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--lags", default="0,1,2")
+    parser.add_argument("--set", action="append", default=[], help="--config.KEY=VALUE, again")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for lag in (int(x) for x in args.lags.split(",")):
-            arm = run_arm(args.workload, lag, args.steps, args.sleep, os.path.join(tmp, str(lag)))
+            run_dir = os.path.join(tmp, str(lag))
+            arm = run_arm(args.workload, lag, args.steps, args.sleep, run_dir, args.set)
             rows.append(summary(lag, arm))
             r = rows[-1]
             print(
@@ -135,7 +138,7 @@ def main() -> None:
                 flush=True,
             )
     sleep = f", judge sleeping {args.sleep:g} s per batch" if args.workload == "format_copy" else ""
-    print(f"\n{args.workload}, {args.steps} steps{sleep}\n")
+    print(f"\n{args.workload}, {args.steps} steps{sleep} {' '.join(args.set)}\n")
     print(table(rows))
 
 

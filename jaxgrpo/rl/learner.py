@@ -162,7 +162,7 @@ class Learner:
         state = self._maybe_reset_reference(state, step)
         next_step, next_rng, k_sample, k_shuffle = self.programs.advance(state.step, state.rng)
         self._end_phase()
-        batch = self.collect_batch(state.params, list(examples), k_sample, step, draw)
+        batch = self.collect_batch(state.params, list(examples), k_sample, step, draw, step)
         return self.train(state, batch, (next_step, next_rng, k_shuffle), t_start)
 
     def collect_batch(

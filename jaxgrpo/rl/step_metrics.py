@@ -227,6 +227,8 @@ def samples(r: Rollout, adv: np.ndarray, step: int) -> list[dict[str, Any]]:
         }
         if r.correct is not None:
             row["correct"] = bool(r.correct[i])
+        if r.versions is not None:  # the policy version that drew it (updates applied)
+            row["policy_version"] = int(r.versions[i].max(initial=-1))
         if r.episodes is not None:
             row["turns"] = agents.turn_records(r.episodes[i])
             row["model_tokens"] = int(r.trained_mask[i].sum())

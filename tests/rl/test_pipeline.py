@@ -79,15 +79,16 @@ def test_lag_0_through_the_pipeline_equals_the_synchronous_loop_bit_for_bit():
     assert [m["async/lag_max"] for m in piped] == [0.0] * STEPS
 
 
-def test_a_lag_1_run_samples_with_the_previous_weights_and_trains_the_current_ones():
-    learner, task = make_learner({"data": 1}, jax.devices()[:1], **{"rl.max_staleness": 1})
+@pytest.mark.parametrize("lag", [1, 2])
+def test_a_lagging_run_samples_with_older_weights_and_trains_the_current_ones(lag):
+    learner, task = make_learner({"data": 1}, jax.devices()[:1], **{"rl.max_staleness": lag})
     state, piped = _pipeline_run(learner, task)
-    ref_state, ref = _reference_run(learner, task, lag=1)
+    ref_state, ref = _reference_run(learner, task, lag=lag)
     for a, b in zip(host_params(ref_state), host_params(state), strict=True):
         np.testing.assert_array_equal(a, b)
     for a, b in zip(ref, piped, strict=True):
         _same_numbers(a, b)
-    assert [m["async/lag_mean"] for m in piped] == [0.0, 1.0, 1.0]
+    assert [m["async/lag_mean"] for m in piped] == [float(min(s, lag)) for s in range(STEPS)]
     # The test can fail: sampling with the current weights trains to other numbers.
     lag0_state, _ = _reference_run(learner, task, lag=0)
     changed = [
