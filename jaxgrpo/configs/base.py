@@ -134,10 +134,11 @@ def _rl() -> ConfigDict:
     # n - max_staleness, waiting for them: reproducible) or "drop" (it samples with the newest
     # weights it has and the learner drops batches older than max_staleness)
     c.stale_batches = "wait"
-    # the loss's correction for the lag, with r = pi_learner / pi_sampler per token: "tis"
-    # (clip against the learner's policy, weight min(r, lag_cap): decoupled PPO), "mask"
-    # (weight r inside [lag_floor, lag_cap], 0 outside: IcePop) or "clip" (PPO's clip of r)
-    c.lag_correction = "tis"
+    # the loss's correction for the lag, with r = pi_learner / pi_sampler per token: "clip"
+    # (PPO's clip of r itself: the trust region is around the policy that sampled), "mask"
+    # (weight r inside [lag_floor, lag_cap], 0 outside: IcePop) or "tis" (the clip against the
+    # learner's policy, weight min(r, lag_cap): decoupled PPO, for several updates per step)
+    c.lag_correction = "clip"
     c.lag_cap = 2.0  # "tis"'s truncation and "mask"'s upper edge (>= 1)
     c.lag_floor = 0.5  # "mask"'s lower edge (in (0, 1])
     return c

@@ -18,10 +18,12 @@ the learner's policy at the start of the step), "tis" (decoupled PPO, AReaL) kee
 against the proximal policy and weighs the policy term by `min(r, lag_cap)`; "mask" (IcePop,
 prime-rl) weighs it by `r` inside `[lag_floor, lag_cap]` and drops the tokens outside; "clip"
 takes PPO's ratio against the stale policy itself, so its clip bounds how far the update moves
-from what sampled. "tis" is the default: it keeps the trust region around the current policy
-and bounds the stale weight, while unclipped importance sampling diverges at lags of a few
-steps. The weights touch only the policy term, never the KL or entropy terms. A synchronous
-run (`"none"`) traces exactly the program it traced before the option existed.
+from what sampled. "clip" is the default: with one update per step the proximal policy is the
+learner's own, so "tis"'s clip never bites and its truncated weight is all that bounds the
+update, which did not hold at a lag of 2 on format_copy (benchmarks/README.md, "Asynchronous
+rollouts"); "tis" is for runs with several updates per step, where the clip does bite. The
+weights touch only the policy term, never the KL or entropy terms. A synchronous run
+(`"none"`) traces exactly the program it traced before the option existed.
 """
 
 from __future__ import annotations

@@ -240,8 +240,8 @@ def _check_lag(cfg: ConfigDict) -> None:
         _require(m.sampler_devices == 0, "mesh.sampler_devices", msg, m.sampler_devices)
         return
     msg = (
-        "must be 0 when rl.max_staleness >= 1: rl.lag_correction weighs the same "
-        "learner/sampler ratio (set rl.lag_cap instead)"
+        "must be 0 when rl.max_staleness >= 1: rl.lag_correction handles the same "
+        "learner/sampler ratio (rl.lag_cap caps its weight)"
     )
     _require(r.tis_cap == 0, "rl.tis_cap", msg, r.tis_cap)
     msg = (
