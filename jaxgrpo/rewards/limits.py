@@ -207,7 +207,8 @@ class _Call(threading.Thread):
     behind."""
 
     def __init__(self, fn: Callable[[], Any], seconds: float, max_memory_gb: float):
-        super().__init__(name="bounded-call", daemon=True)
+        # Named as its caller: the call runs on its behalf (logs, per-thread owners).
+        super().__init__(name=threading.current_thread().name, daemon=True)
         self.fn, self.seconds, self.max_memory_gb = fn, seconds, max_memory_gb
         self.context = contextvars.copy_context()  # the caller's, as a call in place sees
         self.wake = threading.Event()  # the call ended or a limit fired
