@@ -232,8 +232,8 @@ def agent_run():
     call_ids = tok.hf.encode(CALL, add_special_tokens=False)
     real = learner.turn_sampler
 
-    def turn_sampler(state, settings, key):
-        sample = real(state, settings, key)
+    def turn_sampler(params, settings, key):
+        sample = real(params, settings, key)
 
         def scripted(ids, mask, num_samples, max_lengths, turn, resume=None):
             # Later turns sample the whole context afresh: the cache of turn 0 holds what the
@@ -253,7 +253,7 @@ def agent_run():
     examples = list(task.train_examples(0))[:2]
     state = learner.init_state()
     timer = step_metrics.Timer()
-    rollout, _ = learner.collect(state, examples, jax.random.key(0), 0, None, timer)
+    rollout, _ = learner.collect(state.params, examples, jax.random.key(0), 0, None, timer)
     batch, _ = learner.prepare(state, rollout)
     state, metrics, samples = learner.step(state, examples)
     return {
