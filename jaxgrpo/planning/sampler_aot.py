@@ -17,7 +17,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jaxgrpo.agents.rollout import chunk_room
 from jaxgrpo.core import sharding
@@ -25,6 +24,7 @@ from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.planning import flops
 from jaxgrpo.planning.program import Program, compile_program
 from jaxgrpo.rl.programs import abstract_array
+from jaxgrpo.rl.sampler_side import resplit_on
 from jaxgrpo.sampling import sampler_programs
 from jaxgrpo.sampling.resume import resume_programs
 
@@ -64,11 +64,7 @@ class SamplerCopy:
         sharding context on ``mesh``, trainable and frozen parts placed there by the learner's
         rules, as ``jaxgrpo.rl.sampler_side.SamplerSide.own`` places real ones."""
         p = programs
-        model = nnx.merge(p.graphdef, p.params0, p.frozen)
-        rules = model.shard_ctx.rules if model.shard_ctx is not None else sharding.TRAIN_RULES
-        model.shard_ctx = sharding.ShardingCtx(mesh, rules)
-        filters = (nnx.LoRAParam, nnx.Param) if p.lora else (nnx.Param, ...)
-        graphdef, trainable, frozen = nnx.split(model, *filters)
+        graphdef, trainable, frozen, rules = resplit_on(p, mesh, p.params0, p.frozen)
         place = lambda tree: jax.tree.map(  # noqa: E731
             abstract_array, tree, sharding.param_shardings(tree, mesh, rules)
         )

@@ -42,12 +42,7 @@ class SamplerSide:
         """Devices of the sampler's own (``mesh``): the graph re-split with its sharding
         context on ``mesh`` and the frozen weights moved there once. ``params`` are any
         version of the trainable params (for their tree)."""
-        p = programs
-        model = nnx.merge(p.graphdef, params, p.frozen)
-        rules = model.shard_ctx.rules if model.shard_ctx is not None else sharding.TRAIN_RULES
-        model.shard_ctx = sharding.ShardingCtx(mesh, rules)
-        filters = (nnx.LoRAParam, nnx.Param) if p.lora else (nnx.Param, ...)
-        graphdef, trainable, frozen = nnx.split(model, *filters)
+        graphdef, trainable, frozen, rules = resplit_on(programs, mesh, params, programs.frozen)
         param_sh = sharding.param_shardings(trainable, mesh, rules)
         frozen_sh = sharding.param_shardings(frozen, mesh, rules)
         return cls(mesh, graphdef, jax.device_put(frozen, frozen_sh), param_sh, own_devices=True)
@@ -61,3 +56,15 @@ class SamplerSide:
     def weight_bytes(self, params) -> int:
         """Bytes ``place`` moves: the trainable params."""
         return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params))
+
+
+def resplit_on(programs, mesh, params, frozen) -> tuple[Any, Any, Any, Any]:
+    """(graph, trainable, frozen, rules): the policy re-split with its sharding context on
+    ``mesh`` (its activations constrained there), split as ``programs`` splits it; the leaves
+    are ``params`` and ``frozen`` as given (real or abstract)."""
+    model = nnx.merge(programs.graphdef, params, frozen)
+    rules = model.shard_ctx.rules if model.shard_ctx is not None else sharding.TRAIN_RULES
+    model.shard_ctx = sharding.ShardingCtx(mesh, rules)
+    filters = (nnx.LoRAParam, nnx.Param) if programs.lora else (nnx.Param, ...)
+    graphdef, trainable, frozen = nnx.split(model, *filters)
+    return graphdef, trainable, frozen, rules
