@@ -24,6 +24,7 @@ from jaxgrpo.models.transformer import Transformer
 from jaxgrpo.planning import aot, memory
 from jaxgrpo.planning import compile as compile_cli
 from jaxgrpo.planning import hlo as hlo_text
+from jaxgrpo.sampling.resume import APPEND
 
 needs_libtpu = pytest.mark.skipif(
     importlib.util.find_spec("libtpu") is None,
@@ -205,21 +206,26 @@ def test_a_run_with_tools_compiles_its_later_turns_sampler():
     """With the python tool the prompt grows by the tools' description, the first turn's decode
     keeps its cache, and ``continue`` resumes the whole batch (B * G = 16 rows, two per
     device) from it once per later turn: the rows' earlier ids stay in the cache, and only
-    a chunk of the last kept id and a result is prefilled."""
+    a chunk of the last kept id and a result is prefilled, in passes of ``APPEND`` ids, after
+    the first turn's cache is laid out as the later turns' (``pack``)."""
     over = {"agent.tools": ("python",), "agent.max_turns": 3, "rl.group_size": 8}
     rep = compile_cli.compile_config("tiny", "cpu-8", over, 16, only=("sample", "continue"))
     f = rep["facts"]
     names = [p["program"] for p in rep["programs"]]
-    assert names == ["sample/prefill", "sample/decode", "continue/resume", "continue/decode"]
+    assert names == [
+        "sample/prefill", "sample/decode", "continue/pack", "continue/resume", "continue/decode"
+    ]  # fmt: skip
     assert f["tool_prompt_tokens"] > 100, f  # the JSON block describing one tool
     p = f["prompt_len"]
     assert p == bucket_length(16 + f["tool_prompt_tokens"])
-    assert [x["calls"] for x in rep["programs"]] == [1, 1, 2, 2]  # max_turns - 1 later turns
-    # The first turn's decode returns its cache, which the resume takes as an argument.
-    prefill, decode, resume = (
-        _program(rep, n)["memory"] for n in ("sample/prefill", "sample/decode", "continue/resume")
+    # max_turns - 1 later turns, each of the passes of a 256-token result, bounded by T
+    passes = -(-min(f["max_new_tokens"], 256 + APPEND) // APPEND)
+    assert [x["calls"] for x in rep["programs"]] == [1, 1, 1, 2 * passes, 2]
+    # The first turn's decode returns its cache, which the pack takes as an argument.
+    prefill, decode, pack = (
+        _program(rep, n)["memory"] for n in ("sample/prefill", "sample/decode", "continue/pack")
     )
-    assert resume["arguments"] > prefill["arguments"] and decode["outputs"] > 0
+    assert pack["arguments"] > prefill["arguments"] and decode["outputs"] > 0
     assert _program(rep, "continue/decode")["loop_body_collectives"] == {}
     assert "tool description" in compile_cli.render(rep)
 

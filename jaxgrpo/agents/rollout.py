@@ -32,6 +32,7 @@ from jaxgrpo.agents.seam import cut_turn
 from jaxgrpo.agents.share import RowShare
 from jaxgrpo.agents.tools import Toolbox
 from jaxgrpo.models.tokenizer import bucket_length
+from jaxgrpo.sampling.resume import APPEND
 
 # sample(ids [N, P], mask [N, P], num_samples, max_lengths [N * num_samples] or None, turn,
 # resume) -> an object with tokens, logprobs, temperatures [N * num_samples, T] and lengths
@@ -50,10 +51,10 @@ class Resume:
       valid_until: [N] each row's completion slots before this one hold its episode; later
         ones hold ids sampled past the turn's cut.
       positions: [N] the position id of each row's first appended id.
-      ids / mask: [N, K] left-padded: each row's last kept id (which may not be in the cache:
-        a row's last sampled id is not fed back), then its results' ids.
-      width: completion slots that hold every row's earlier ids.
-      room: cache slots for the appended ids (``chunk_room``), the same for every turn.
+      ids / mask: [N, K] left-padded to a multiple of ``APPEND`` (one resume pass each):
+        each row's last kept id (which may not be in the cache: a row's last sampled id is not
+        fed back), then its results' ids.
+      width: completion slots that hold every row's earlier ids (``earlier_width``).
     """
 
     rows: np.ndarray
@@ -62,17 +63,13 @@ class Resume:
     ids: np.ndarray
     mask: np.ndarray
     width: int
-    room: int = 0
 
 
-CHUNK = 16  # the appended ids of a later turn: this many, or ``chunk_room`` when longer
-
-
-def chunk_room(max_new_tokens: int) -> int:
-    """Slots for a later turn's appended ids (its last kept id and the results, fewer than the
-    episode's ``max_new_tokens``). A turn appends ``CHUNK`` ids, or this many when its results
-    are longer, so a run's later turns have two shapes, both compiled on its first step."""
-    return bucket_length(max_new_tokens, CHUNK)
+def earlier_width(max_new_tokens: int) -> int:
+    """Completion slots of a later turn's cache for the episode's ids before its last resume
+    pass (fewer than ``max_new_tokens``: the pass holds at least the turn's last kept id):
+    one value per run, so its later turns have one cache shape."""
+    return -(-(max_new_tokens - 1) // APPEND) * APPEND
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,42 +258,33 @@ def warm_later_turns(
     pad_id: int,
 ) -> None:
     """Compiles every program a later turn of these prompts' episodes can run, so that no
-    step after this one compiles: a later turn resumes from a first turn's cache or from a
-    later turn's, with ``CHUNK`` or ``chunk_room`` appended ids (four ``resume`` shapes, one
-    ``decode``). Each call samples one token per row, from dummy ids, and is thrown away."""
+    step after this one compiles: a later turn's resume passes go on from a first turn's
+    cache or from a later one's (two ``resume`` shapes, one ``decode``). Each call samples one
+    token per row, from dummy ids, and is thrown away."""
     n = np.asarray(prompt_ids).shape[0] * group
     ones = np.ones(n, np.int32)
-    t, room = max_new_tokens, chunk_room(max_new_tokens)
-
-    def resume(k: int) -> Resume:
-        ids = np.full((n, k), pad_id, np.int32)
-        mask = np.zeros((n, k), np.int32)
-        mask[:, -1] = 1
-        rows = np.arange(n, dtype=np.int32)
-        return Resume(
-            rows, ones, ones * prompt_ids.shape[1], ids, mask, bucket_length(t - 1, 16), room
-        )
-
-    for widths in ((CHUNK, CHUNK, room), (room,)):
-        sample(prompt_ids, prompt_mask, group, ones, 0, None)
-        for turn, k in enumerate(widths, start=1):
-            step = resume(k)
-            sample(step.ids, step.mask, 1, ones, turn, step)
+    ids = np.full((n, APPEND), pad_id, np.int32)
+    mask = np.zeros((n, APPEND), np.int32)
+    mask[:, -1] = 1
+    rows = np.arange(n, dtype=np.int32)
+    step = Resume(rows, ones, ones * prompt_ids.shape[1], ids, mask, earlier_width(max_new_tokens))
+    sample(prompt_ids, prompt_mask, group, ones, 0, None)
+    for turn in (1, 2):
+        sample(step.ids, step.mask, 1, ones, turn, step)
 
 
 def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: int, t: int):
     """The ``Resume`` of a later turn: ``going`` holds (row in the previous call, slots it
     keeps, its chunk) for each of ``rows`` (already extended by the chunk), then ``extra``
-    padding rows repeat the first. Earlier ids fit ``bucket_length(t - 1)`` slots (an episode
-    has fewer than ``t`` before a result), chunks ``CHUNK`` or ``chunk_room(t)`` ids."""
+    padding rows repeat the first. Chunks are left-padded to a multiple of ``APPEND`` ids."""
     earlier = [len(row.ids) - len(chunk) for row, (_, _, chunk) in zip(rows, going, strict=True)]
     positions = [len(row.prompt) + n for row, n in zip(rows, earlier, strict=True)]
-    room = chunk_room(t)
-    longest = max(len(chunk) for _, _, chunk in going)
-    ids, mask = _left_padded([chunk for _, _, chunk in going], pad_id, CHUNK)
-    if ids.shape[1] > CHUNK:  # one wide shape for every longer chunk
-        ids, mask = _left_padded([chunk for _, _, chunk in going], pad_id, room)
-    assert longest <= room, (longest, room)
+    chunks = [chunk for _, _, chunk in going]
+    width = -(-max(len(c) for c in chunks) // APPEND) * APPEND
+    ids = np.full((len(chunks), width), pad_id, np.int32)
+    mask = np.zeros((len(chunks), width), np.int32)
+    for i, c in enumerate(chunks):
+        ids[i, width - len(c) :], mask[i, width - len(c) :] = c, 1
     pad = lambda x: np.concatenate([np.asarray(x), np.asarray(x)[:1].repeat(extra, 0)])  # noqa: E731
     return Resume(
         rows=pad([i for i, _, _ in going]).astype(np.int32),
@@ -304,8 +292,7 @@ def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: in
         positions=pad(positions).astype(np.int32),
         ids=pad(ids),
         mask=pad(mask),
-        width=bucket_length(t - 1, 16),
-        room=room,
+        width=earlier_width(t),
     )
 
 

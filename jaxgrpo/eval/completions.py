@@ -169,6 +169,10 @@ def mesh_sampler(
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     settings = dataclasses.replace(settings, keep_cache=keep_cache)
     kept: dict[str, Any] = {}
+    if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+        # One key type for every caller, so the held-out episodes' later turns run the
+        # programs the training's compiled (a typed key is another input type).
+        key = jax.random.key_data(key)
 
     def padded(x, extra, fill=None):
         x = np.asarray(x)
@@ -189,8 +193,8 @@ def mesh_sampler(
         else:
             r = resume
             out = resume_from_state(
-                graphdef, states, model_cfg, kept.pop("cache"), put(r.rows), put(r.valid_until),
-                put(r.positions), put(r.ids), put(r.mask), r.width, s, rng=rng, room=r.room,
+                graphdef, states, model_cfg, kept.pop("cache"), r.rows, r.valid_until,
+                r.positions, r.ids, r.mask, r.width, s, rng=rng, put=put,
             )  # fmt: skip
         if keep_cache:
             kept["cache"] = out.cache

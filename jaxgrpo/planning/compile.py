@@ -10,7 +10,8 @@ estimate of its time and of the step's model FLOP utilisation (an estimate from 
 chip figures, not a measurement). A run with tools (``agent``) has longer prompts (the tools'
 description is added to ``--prompt_len``), a first-turn decode that keeps its KV cache, and
 one more sampler, ``continue``: an episode's later turns, every row resumed from that cache
-with a result appended (``resume``), then decoded. A table on
+with a result appended (``resume``, then ``append`` for the passes of a longer result), then
+decoded. A table on
 stdout, everything with ``--json OUT``; ``--table`` compiles a models x slices grid
 (``TABLE_MODELS`` x ``TABLE_SLICES``) instead.
 

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo.agents.rollout import chunk_room
+from jaxgrpo.agents.rollout import earlier_width
 from jaxgrpo.core import sharding
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.planning import flops
@@ -26,7 +26,7 @@ from jaxgrpo.planning.program import Program, compile_program
 from jaxgrpo.rl.programs import abstract_array
 from jaxgrpo.rl.sampler_side import resplit_on
 from jaxgrpo.sampling import sampler_programs
-from jaxgrpo.sampling.resume import resume_programs
+from jaxgrpo.sampling.resume import APPEND, pack_program, resume_programs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,32 +129,44 @@ def continuation_programs(
     copy: SamplerCopy, learner, p: int, t: int, first_turn: Any
 ) -> list[Program]:
     """Compiles the sampler of an episode's later turns (``jaxgrpo.agents.rollout``) at its
-    largest: every row calls a tool (padded as there), each continued from the first turn's
-    kept cache (``first_turn``, the decode's abstract output) with up to T - 1 earlier ids and
-    the widest appended chunk (``chunk_room``: its last kept id and results), then one sample
-    with its own budget. ``learner`` gives the run's settings (batch, turns, sampler)."""
+    largest: every row calls a tool (padded as there), the first turn's kept cache
+    (``first_turn``, the decode's abstract output) laid out for the later turns with up to
+    T - 1 earlier ids (``continue/pack``), the passes of its longest result, a
+    ``agent.max_tool_tokens`` result and ``APPEND`` ids of the format's text
+    (``continue/resume``), then one sample with its own budget, once per later turn.
+    ``learner`` gives the run's settings (batch, turns, sampler)."""
     rl, mesh = learner.rl, copy.mesh
     rows = bucket_length(rl.prompts_per_step * rl.group_size, 1)
     rows += -rows % (mesh.shape["data"] * mesh.shape["fsdp"])
     settings = dataclasses.replace(
         learner.sampler_settings(0), max_lengths=np.full(rows, t, np.int32)
     )
-    k = chunk_room(t)
     batch = lambda shape: abstract_array(  # noqa: E731
         np.zeros(shape, np.int32), sharding.batch_sharding(mesh, rows, len(shape))
     )
-    ids = batch((rows, k))
+    ids = batch((rows, APPEND))
     resume, decode, knobs = resume_programs(copy.graphdef, copy.model_cfg, ids, settings)
     knobs = _knobs(knobs, copy.replicated)
     states, cache = (copy.params, copy.frozen), first_turn.cache
-    args = (states, cache, batch((rows,)), batch((rows,)), batch((rows,)), ids, ids, knobs)
-    args += (_rng(copy),)
-    width = bucket_length(t - 1, 16)
+    per_row = (batch((rows,)),) * 3
+    width, slots = earlier_width(t), APPEND + t
     cfg, turns = copy.model_cfg, learner.cfg.agent.max_turns - 1
-    context = p + width + k
-    f = (flops.prefill(cfg, rows, k),) * 2, (flops.decode(cfg, rows, context, t),) * 2
-    w = flops.weight_bytes(cfg) / mesh.size
-    kwargs = {"width": width, "room": ids.shape[1]}
-    first = compile_program("continue/resume", resume, args, turns, f[0], w, kwargs=kwargs)
+    passes = -(-min(t, learner.cfg.agent.max_tool_tokens + APPEND) // APPEND)
+    pack = pack_program(copy.graphdef, copy.model_cfg)
+    sizes = {"width": width, "slots": slots}
+    packed_cache = jax.eval_shape(functools.partial(pack, **sizes), states, cache, *per_row)
+    # Both move a later turn's whole cache (each pass packs it again): bytes read per call.
+    moved = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(packed_cache)) / mesh.size
+    args = (states, cache, *per_row)
+    packed = compile_program("continue/pack", pack, args, 1, (0, 0), moved, kwargs=sizes)
+    if packed.compiled is not None:
+        shardings = packed.compiled.output_shardings
+        packed_cache = jax.tree.map(abstract_array, packed_cache, shardings)
+    args = (states, packed_cache, *per_row, ids, ids, knobs, _rng(copy))
+    f = (flops.prefill(cfg, rows, APPEND),) * 2
+    w = flops.weight_bytes(cfg) / mesh.size + moved
+    kwargs = {"width": width}
+    first = compile_program("continue/resume", resume, args, turns * passes, f, w, kwargs=kwargs)
     state = jax.eval_shape(functools.partial(resume, **kwargs), *args)
-    return [first, _decode(copy, "continue", decode, first, state, knobs, turns, f[1], t)[0]]
+    f = (flops.decode(cfg, rows, p + width + APPEND, t),) * 2
+    return [packed, first, _decode(copy, "continue", decode, first, state, knobs, turns, f, t)[0]]

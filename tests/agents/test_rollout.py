@@ -288,15 +288,16 @@ def test_episodes_from_the_kept_cache_score_as_one_pass(tok, shape):
 def test_later_turns_compile_nothing_after_the_warm_up(tok):
     """`warm_later_turns` compiles every later-turn program of a prompt shape up front: then
     episodes whose turns resume from a first turn's cache and from a later turn's, with short
-    results (16-id chunks) and long ones (the wide chunk), compile nothing."""
+    results (one resume pass) and long ones (several), compile nothing."""
     import jax
     from flax import nnx
 
-    from jaxgrpo.agents.rollout import CHUNK, warm_later_turns
+    from jaxgrpo.agents.rollout import warm_later_turns
     from jaxgrpo.core.sharding import make_mesh
     from jaxgrpo.eval.completions import mesh_sampler
     from jaxgrpo.models.tiny import tiny_model
     from jaxgrpo.sampling import SamplerSettings
+    from jaxgrpo.sampling.resume import APPEND
     from tests.learner_helpers import count_compiles
 
     said = []
@@ -304,7 +305,7 @@ def test_later_turns_compile_nothing_after_the_warm_up(tok):
     def echo() -> str:
         """Says ok, then a long text."""
         said.append(1)
-        return "ok" if len(said) % 2 else " ".join(["word"] * (CHUNK + 4))
+        return "ok" if len(said) % 2 else " ".join(["word"] * (2 * APPEND + 4))
 
     mesh = make_mesh({"data": 1}, jax.devices()[:1])
     model, _ = tiny_model(seed=0)
@@ -333,9 +334,9 @@ def test_later_turns_compile_nothing_after_the_warm_up(tok):
             mask,
             group=2,
             max_new_tokens=t,
-            limits=AgentLimits(max_turns=4, max_tool_tokens=4 * CHUNK),
+            limits=AgentLimits(max_turns=4, max_tool_tokens=4 * APPEND),
         )
     assert max(e.num_turns for e in batch.episodes) == 4
-    wide = [len(t.results[0].text.split()) > CHUNK for e in batch.episodes for t in e.turns[:-1]]
-    assert any(wide) and not all(wide), "both chunk widths must occur"
+    wide = [len(t.results[0].text.split()) > APPEND for e in batch.episodes for t in e.turns[:-1]]
+    assert any(wide) and not all(wide), "results of one pass and of several must occur"
     assert not compiled, f"{len(compiled)} programs compiled after the warm-up"

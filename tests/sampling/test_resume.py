@@ -1,7 +1,8 @@
 """A later turn from the kept KV cache (``resume_from_state``) against sampling the whole
 context afresh: each row's turn is cut, ids are appended, and greedy decoding goes on from the
 cache; its tokens and log-probs must equal ``generate`` over prompt + kept ids + appended ids
-(1e-5, float32), with compacted rows written back and through both decode loops."""
+(1e-5, float32), with compacted rows written back, through both decode loops, and with results
+longer than one resume pass (``APPEND`` ids)."""
 
 import jax
 import numpy as np
@@ -11,7 +12,7 @@ from flax import nnx
 from jaxgrpo.models.layout import Layout
 from jaxgrpo.models.tiny import tiny_model
 from jaxgrpo.sampling import SamplerSettings, generate, generate_from_state
-from jaxgrpo.sampling.resume import resume_from_state
+from jaxgrpo.sampling.resume import APPEND, resume_from_state
 
 T = 20
 
@@ -30,8 +31,8 @@ def _alone(model, context, budget):
     return np.asarray(out.tokens[0, :n]), np.asarray(out.logprobs[0, :n])
 
 
-@pytest.mark.parametrize("loop", ["scan", "unroll"])
-def test_a_later_turn_from_the_cache_equals_decoding_the_whole_context(loop):
+@pytest.mark.parametrize("loop,long", [("scan", False), ("unroll", False), ("unroll", True)])
+def test_a_later_turn_from_the_cache_equals_decoding_the_whole_context(loop, long):
     model, _ = tiny_model(seed=0)
     model.cfg = model.cfg.replace(layout=Layout(decode_loop=loop))
     graphdef, state = nnx.split(model)
@@ -54,9 +55,11 @@ def test_a_later_turn_from_the_cache_equals_decoding_the_whole_context(loop):
     # Rows 3 and 1 go on (in that order) after keeping 4 and 11 of their ids (what follows
     # the cut was sampled past it); each appends a "result" of its own length.
     rows, kept = np.asarray([3, 1]), np.asarray([4, 11])
-    results = [[11, 12, 13], [20, 21, 22, 23, 24]]
+    # Long: row 1's chunk (21 ids) takes two passes, the first holding 5 of its ids.
+    results = [[11, 12, 13], list(range(20, 40)) if long else [20, 21, 22, 23, 24]]
     chunks = [[int(tokens[r, k - 1]), *res] for r, k, res in zip(rows, kept, results, strict=True)]
-    width = max(chunks, key=len).__len__()
+    width = -(-max(map(len, chunks)) // APPEND) * APPEND
+    assert width == (2 if long else 1) * APPEND
     ids = np.zeros((2, width), np.int32)
     mask = np.zeros((2, width), np.int32)
     for i, c in enumerate(chunks):
@@ -74,7 +77,7 @@ def test_a_later_turn_from_the_cache_equals_decoding_the_whole_context(loop):
         prompt_len + kept - 1,
         ids,
         mask,
-        16,
+        32,  # slots for each row's kept ids and those of its earlier passes
         later,
         rng=jax.random.key(1),
     )
