@@ -239,6 +239,13 @@ def put_batch(x: np.ndarray, mesh: Mesh, rules: Rules = TRAIN_RULES) -> jax.Arra
     return jax.make_array_from_callback(x.shape, where, lambda index: x[index])
 
 
+def put_whole(x: np.ndarray, mesh: Mesh) -> jax.Array:
+    """A global array whole on every device of ``mesh`` from a host array that every process
+    holds."""
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, replicated(mesh), lambda index: x[index])
+
+
 def to_host(x) -> np.ndarray:
     """The whole value of a (possibly multi-host) array on this host."""
     if isinstance(x, np.ndarray) or x.is_fully_addressable:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from jaxgrpo.core import sharding
 from jaxgrpo.rewards.inputs import model_texts
@@ -169,10 +170,12 @@ def mesh_sampler(
     shards = mesh.shape["data"] * mesh.shape["fsdp"]
     settings = dataclasses.replace(settings, keep_cache=keep_cache)
     kept: dict[str, Any] = {}
+    # One key type and placement for every caller (a raw key, whole on every device), so the
+    # held-out episodes' later turns run the programs the training's compiled.
     if jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
-        # One key type for every caller, so the held-out episodes' later turns run the
-        # programs the training's compiled (a typed key is another input type).
         key = jax.random.key_data(key)
+    if not isinstance(getattr(key, "sharding", None), NamedSharding):  # a key of this process
+        key = sharding.put_whole(key, mesh)
 
     def padded(x, extra, fill=None):
         x = np.asarray(x)

@@ -340,3 +340,47 @@ def test_later_turns_compile_nothing_after_the_warm_up(tok):
     wide = [len(t.results[0].text.split()) > APPEND for e in batch.episodes for t in e.turns[:-1]]
     assert any(wide) and not all(wide), "results of one pass and of several must occur"
     assert not compiled, f"{len(compiled)} programs compiled after the warm-up"
+
+
+def test_held_out_episodes_run_the_training_later_turn_programs(tok):
+    """The held-out evaluation's sampler (greedy, one episode per prompt, a typed key of this
+    process) and the training's (sampling, G episodes per prompt, a raw key on the mesh) run
+    the same later-turn programs: one ``resume`` and one later-turn ``decode`` for both."""
+    import jax
+    from flax import nnx
+
+    from jaxgrpo.agents.rollout import warm_later_turns
+    from jaxgrpo.core import sharding
+    from jaxgrpo.core.sharding import make_mesh
+    from jaxgrpo.eval.completions import mesh_sampler
+    from jaxgrpo.models.tiny import tiny_model
+    from jaxgrpo.sampling import SamplerSettings
+    from jaxgrpo.sampling.resume import APPEND, resume_programs
+
+    mesh = make_mesh({"data": 1}, jax.devices()[:1])
+    model, _ = tiny_model(seed=0)
+    graphdef, state = nnx.split(model)
+    t = 48
+    ids, mask = tok.encode(["What is 3*4+5?", "Hi"])
+
+    def sampler(temperature, key):
+        settings = SamplerSettings.for_tokenizer(tok, max_new_tokens=t, temperature=temperature)
+        return settings, mesh_sampler(
+            graphdef, (state,), model.cfg, mesh, settings, key, keep_cache=True
+        )
+
+    def sizes(settings):  # the programs a later turn of 4 rows looks up, and their shapes
+        resume, decode, _ = resume_programs(
+            graphdef, model.cfg, np.zeros((4, APPEND), np.int32), settings
+        )
+        return resume._cache_size(), decode._cache_size()
+
+    warm = dict(max_new_tokens=t, pad_id=tok.pad_id)
+    held_out, sample = sampler(0.0, jax.random.key(7))
+    warm_later_turns(sample, np.repeat(ids, 2, 0), np.repeat(mask, 2, 0), group=1, **warm)
+    before = sizes(held_out)
+    raw = sharding.put_whole(np.asarray(jax.random.key_data(jax.random.key(0))), mesh)
+    training, sample = sampler(1.0, raw)
+    warm_later_turns(sample, ids, mask, group=2, **warm)
+    # (The held-out first turn's decode, one episode per prompt, shares the later turns' jit.)
+    assert before[0] == 1 and sizes(training) == before
