@@ -1,6 +1,6 @@
 """What a training step with a tool costs against the same step without it (a benchmark, not a
 test): seconds per step and per phase, model and tool tokens per episode, calls per episode,
-and the programs compiled at each step.
+the programs compiled at each step, and the held-out evaluations' seconds.
 
 Runs ``python -m jaxgrpo.train`` twice, one after the other, on the same config and steps: once
 as it is, once with the calculator (``agent.tools=('calc',)``, the tag format, at most 4 turns,
@@ -64,12 +64,15 @@ def train(config: str, steps: int, extra: list[str], run_dir: str) -> dict:
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}")
     with open(metrics, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if '"time/sampling"' in line]
-    return {"wall": wall, "rows": rows, "compiles": compiles}
+        logged = [json.loads(line) for line in f]
+    rows = [r for r in logged if "time/sampling" in r]
+    evals = {int(r["step"]): r["time/eval"] for r in logged if "time/eval" in r}
+    return {"wall": wall, "rows": rows, "compiles": compiles, "evals": evals}
 
 
 def table(label: str, run: dict) -> list[str]:
-    lines = [f"\n{label}: whole run {run['wall']:.0f} s", ""]
+    evals = ", ".join(f"step {k} {v:.1f} s" for k, v in sorted(run["evals"].items()))
+    lines = [f"\n{label}: whole run {run['wall']:.0f} s; held-out evaluations: {evals}", ""]
     lines.append(
         "| step | calls / episode | model tokens | tool tokens | sampling s | update s | step s "
         "| compiled |"

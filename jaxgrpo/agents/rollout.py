@@ -32,7 +32,7 @@ from jaxgrpo.agents.seam import cut_turn
 from jaxgrpo.agents.share import RowShare
 from jaxgrpo.agents.tools import Toolbox
 from jaxgrpo.models.tokenizer import bucket_length
-from jaxgrpo.sampling.resume import APPEND
+from jaxgrpo.sampling.generate import APPEND, earlier_width
 
 # sample(ids [N, P], mask [N, P], num_samples, max_lengths [N * num_samples] or None, turn,
 # resume) -> an object with tokens, logprobs, temperatures [N * num_samples, T] and lengths
@@ -63,13 +63,6 @@ class Resume:
     ids: np.ndarray
     mask: np.ndarray
     width: int
-
-
-def earlier_width(max_new_tokens: int) -> int:
-    """Completion slots of a later turn's cache for the episode's ids before its last resume
-    pass (fewer than ``max_new_tokens``: the pass holds at least the turn's last kept id):
-    one value per run, so its later turns have one cache shape."""
-    return -(-(max_new_tokens - 1) // APPEND) * APPEND
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgrpo.agents.rollout import earlier_width
 from jaxgrpo.core import sharding
 from jaxgrpo.models.tokenizer import bucket_length
 from jaxgrpo.planning import flops
@@ -26,7 +25,8 @@ from jaxgrpo.planning.program import Program, compile_program
 from jaxgrpo.rl.programs import abstract_array
 from jaxgrpo.rl.sampler_side import resplit_on
 from jaxgrpo.sampling import sampler_programs
-from jaxgrpo.sampling.resume import APPEND, pack_program, resume_programs
+from jaxgrpo.sampling.generate import APPEND, earlier_width
+from jaxgrpo.sampling.resume import pack_program, resume_programs
 
 
 @dataclasses.dataclass(frozen=True)

@@ -5,6 +5,7 @@ Key names (the logger's progress bar and dead-run check read the first group):
     reward/mean, reward/std, kl/mean, completion/truncated_frac,
     time/{sampling,rewards,reference,update}   seconds per phase (reference: the scoring passes)
     time/teacher                seconds of the teacher's scoring pass (runs with a teacher)
+    time/eval                   seconds of the held-out evaluation (rows with eval/*)
     reward/<fn>/mean, reward/<fn>/std, reward/<fn>/weight   raw value of each reward function
     reward/<fn>/failed_frac     fraction of samples the function could not score (raised/None)
     strict_accuracy, lenient_accuracy, format_rate   jaxgrpo.grading.accuracy of what the model

@@ -60,8 +60,9 @@ def _prefixed(metrics: dict, prefix: str) -> dict:
 class HeldOut:
     """The held-out evaluation of a run: before training, every ``eval.every`` steps, at the end.
 
-    Each evaluation is printed as one line and returned as ``eval/*`` metrics, which the loop
-    writes into that step's metrics row (step 0: a row of its own).
+    Each evaluation is printed as one line and returned as ``eval/*`` metrics and its seconds
+    (``time/eval``), which the loop writes into that step's metrics row (step 0: a row of its
+    own).
     """
 
     def __init__(self, cfg: TrainConfig, learner: Any, task: Any, say: Any):
@@ -79,11 +80,12 @@ class HeldOut:
     def __call__(self, state: Any, step: int) -> dict:
         t0 = time.perf_counter()
         metrics = self.learner.evaluate(state, self.examples)
+        seconds = time.perf_counter() - t0
         label = "before training" if step == 0 else f"at step {step}"
-        self.say(eval_line(label, metrics, time.perf_counter() - t0))
+        self.say(eval_line(label, metrics, seconds))
         self.first = self.first or metrics
         self.last = metrics
-        return _prefixed(metrics, "eval/")
+        return {**_prefixed(metrics, "eval/"), "time/eval": seconds}
 
 
 def run(cfg: TrainConfig, parts: RunParts | None = None) -> dict[str, Any]:

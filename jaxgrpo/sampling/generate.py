@@ -59,20 +59,20 @@ class SampleOutput:
     cache: Any = None
 
 
-def _prefill_step_fn(graphdef: nnx.GraphDef):
+def _prefill_step_fn(graphdef: nnx.GraphDef, slots: int = 0):
     """``(states, ids_BP, mask_BP, cache) -> (last logits_BV, LayerKVCache)``: the prompts.
 
     The prompt pass scans the stacked layers into a ``KVCache`` of P slots (one pass, compiled
     once per layer), which becomes the shared prompt part of the per-layer decode cache. Its
-    completion part has no slots yet: the decode program makes them, so the empty cache is
-    not an output held beside the decode program's own copy while it runs.
+    completion part has ``slots`` slots, none by default: the decode program makes them, so
+    the empty cache is not an output held beside the decode program's own copy while it runs.
     """
 
     def step_fn(states, ids_BT, mask_BT, cache):
         model = nnx.merge(graphdef, *states)
         h_BTD, cache = model.prefill(ids_BT, mask_BT, cache)
         # Only the last position is needed: never build [B, P, V] logits for the prompt.
-        cache = LayerKVCache.from_prompt(cache, 0, stacked=model.scans_decode)
+        cache = LayerKVCache.from_prompt(cache, slots, stacked=model.scans_decode)
         return model.logits(h_BTD[:, -1:, :])[:, 0, :], cache
 
     return step_fn
@@ -166,7 +166,7 @@ def programs(graphdef: nnx.GraphDef, model_cfg, cfg: LoopConfig, cache_dtype: st
         batch, prompt_len = ids_BP.shape
         ctx = nnx.merge(graphdef, *states).shard_ctx
         cache = init_cache(model_cfg, batch, prompt_len, cache_dtype).constrain(ctx)
-        step_fn = _prefill_step_fn(graphdef)
+        step_fn = _prefill_step_fn(graphdef, cfg.completion_slots)
         state = prefill(step_fn, states, ids_BP, mask_BP, cache, knobs, rng, cfg)
         return state.replace(cache=state.cache.constrain(ctx))
 
@@ -251,6 +251,20 @@ def auto_compact_rows(
 
 
 CACHE_STEP = 128  # completion-cache sizes of the decode loop: multiples of this
+APPEND = 16  # ids one resume pass appends to a row's cache (``jaxgrpo.sampling.resume``)
+
+
+def earlier_width(max_new_tokens: int) -> int:
+    """Completion slots of an episode's later-turn cache for its ids before the turn's last
+    resume pass (fewer than ``max_new_tokens``: that pass holds at least the turn's last kept
+    id), moved there by each pass: one value per budget, one cache shape per run."""
+    return -(-(max_new_tokens - 1) // APPEND) * APPEND
+
+
+def episode_slots(max_new_tokens: int) -> int:
+    """Completion slots of an episode's cache from its later turns on: the earlier ids, a
+    resume pass's ``APPEND``, then the turn's ``max_new_tokens`` to sample."""
+    return earlier_width(max_new_tokens) + APPEND + max_new_tokens
 
 
 def auto_cache_sizes(max_new_tokens: int) -> tuple[int, ...]:
@@ -295,6 +309,10 @@ def _loop_config(settings: SamplerSettings, n: int, devices: int | None) -> Loop
             or s.stop is not None
         )
         compact_rows = auto_compact_rows(n, can_stop_early, devices, t)
+    cache_sizes = auto_cache_sizes(t) if s.cache_sizes is None else tuple(s.cache_sizes)
+    # An episode's turn of one sample per prompt: a later turn's, or a first turn laid out as
+    # one (its prompt rows are its rows), so that both run one decode program.
+    episode = bool(s.keep_cache) and int(s.num_samples) == 1
     return LoopConfig(
         max_new_tokens=t,
         num_samples=int(s.num_samples),
@@ -302,8 +320,9 @@ def _loop_config(settings: SamplerSettings, n: int, devices: int | None) -> Loop
         top_k=int(s.top_k),
         repetition_ngram=int(s.repetition_ngram),
         compact_rows=_compact_levels(compact_rows),
-        cache_sizes=auto_cache_sizes(t) if s.cache_sizes is None else tuple(s.cache_sizes),
+        cache_sizes=() if episode else cache_sizes,
         keep_cache=bool(s.keep_cache),
+        completion_slots=episode_slots(t) if episode else 0,
     )
 
 

@@ -67,6 +67,10 @@ class LoopConfig:
         result is the same either way.
       keep_cache: the final state keeps the cache of every row (compacted rows written back
         with ``cache.put(rows, sub)``), for a later turn of an episode to continue from.
+      completion_slots: the completion slots a prompt's cache gets up front (0 = the
+        decode makes them, ``cache_sizes``): an episode's one-sample-per-prompt first turn
+        gets its later turns' layout (``generate.episode_slots``), so that both run one
+        decode program.
     """
 
     max_new_tokens: int
@@ -77,6 +81,7 @@ class LoopConfig:
     compact_rows: tuple[int, ...] = ()
     cache_sizes: tuple[int, ...] = ()
     keep_cache: bool = False
+    completion_slots: int = 0
 
     def __post_init__(self):
         sizes = self.cache_sizes

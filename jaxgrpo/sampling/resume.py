@@ -23,6 +23,7 @@ from flax import nnx
 
 from jaxgrpo.core.shapes import Array, PyTree
 from jaxgrpo.sampling.generate import (
+    APPEND,
     SampleOutput,
     _decode_step_fn,
     _devices_of,
@@ -34,8 +35,6 @@ from jaxgrpo.sampling.generate import (
 )
 from jaxgrpo.sampling.loop import LoopConfig, prefill
 from jaxgrpo.sampling.settings import SamplerSettings
-
-APPEND = 16  # ids one resume pass appends to each row's cache
 
 
 @functools.lru_cache(maxsize=32)

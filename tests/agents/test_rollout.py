@@ -345,7 +345,8 @@ def test_later_turns_compile_nothing_after_the_warm_up(tok):
 def test_held_out_episodes_run_the_training_later_turn_programs(tok):
     """The held-out evaluation's sampler (greedy, one episode per prompt, a typed key of this
     process) and the training's (sampling, G episodes per prompt, a raw key on the mesh) run
-    the same later-turn programs: one ``resume`` and one later-turn ``decode`` for both."""
+    the same later-turn programs: one ``resume`` and one ``decode``, which the held-out first
+    turn runs too."""
     import jax
     from flax import nnx
 
@@ -382,5 +383,6 @@ def test_held_out_episodes_run_the_training_later_turn_programs(tok):
     raw = sharding.put_whole(np.asarray(jax.random.key_data(jax.random.key(0))), mesh)
     training, sample = sampler(1.0, raw)
     warm_later_turns(sample, ids, mask, group=2, **warm)
-    # (The held-out first turn's decode, one episode per prompt, shares the later turns' jit.)
-    assert before[0] == 1 and sizes(training) == before
+    # The held-out first turn (one episode per prompt) is laid out as a later turn: one decode
+    # program for both, and one resume program.
+    assert before == (1, 1) and sizes(training) == before

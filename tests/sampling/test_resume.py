@@ -31,8 +31,11 @@ def _alone(model, context, budget):
     return np.asarray(out.tokens[0, :n]), np.asarray(out.logprobs[0, :n])
 
 
-@pytest.mark.parametrize("loop,long", [("scan", False), ("unroll", False), ("unroll", True)])
-def test_a_later_turn_from_the_cache_equals_decoding_the_whole_context(loop, long):
+@pytest.mark.parametrize(
+    "loop,long,group",
+    [("scan", False, 2), ("unroll", False, 2), ("unroll", True, 2), ("unroll", True, 1)],
+)
+def test_a_later_turn_from_the_cache_equals_decoding_the_whole_context(loop, long, group):
     model, _ = tiny_model(seed=0)
     model.cfg = model.cfg.replace(layout=Layout(decode_loop=loop))
     graphdef, state = nnx.split(model)
@@ -40,16 +43,22 @@ def test_a_later_turn_from_the_cache_equals_decoding_the_whole_context(loop, lon
     prompt_mask = (np.arange(6)[None, :] >= np.asarray([[2], [1]])).astype(np.int32)
     # Two samples per prompt with different lengths: rows stop at 6, 20, 9 and 14 tokens, and
     # the loop compacts to 2 rows, then 1, so kept rows come back from the compacted caches.
+    # Group 1: each prompt twice, one sample each, the first turn laid out as a later one.
     first = SamplerSettings(
         max_new_tokens=T,
         temperature=1.0,
-        num_samples=2,
+        num_samples=group,
         max_lengths=np.asarray([6, 20, 9, 14], np.int32),
         compact_rows=(2, 1),
         keep_cache=True,
     )
+    ids, ids_mask = (
+        (prompts, prompt_mask)
+        if group == 2
+        else (np.repeat(prompts, 2, 0), np.repeat(prompt_mask, 2, 0))
+    )
     out = generate_from_state(
-        graphdef, (state,), model.cfg, prompts, prompt_mask, first, rng=jax.random.key(0)
+        graphdef, (state,), model.cfg, ids, ids_mask, first, rng=jax.random.key(0)
     )
     tokens = np.asarray(out.tokens)
     # Rows 3 and 1 go on (in that order) after keeping 4 and 11 of their ids (what follows
