@@ -139,8 +139,7 @@ def _result_texts(tokenizer: Any, calls, results, limit: int) -> tuple[list, int
     return texts, cut
 
 
-def _left_padded(rows: Sequence[list[int]], pad_id: int, min_bucket: int) -> tuple:
-    width = bucket_length(max(len(r) for r in rows), min_bucket)
+def _left_padded(rows: Sequence[list[int]], pad_id: int, width: int) -> tuple:
     ids = np.full((len(rows), width), pad_id, np.int32)
     mask = np.zeros((len(rows), width), np.int32)
     for i, r in enumerate(rows):
@@ -234,7 +233,8 @@ def run_episodes(
         extra = n_rows - len(live)
         contexts = [rows[r].prompt + rows[r].ids for r in live]
         budget = [max_new_tokens - len(rows[r].ids) for r in live]
-        ids, mask = _left_padded(contexts + contexts[:1] * extra, tokenizer.pad_id, 16)
+        width = bucket_length(max(map(len, contexts)), 16)
+        ids, mask = _left_padded(contexts + contexts[:1] * extra, tokenizer.pad_id, width)
         step = _resume(resume, [rows[r] for r in live], extra, tokenizer.pad_id, max_new_tokens)
         start = step.width + step.ids.shape[1]
         out = sample(ids, mask, 1, np.asarray(budget + [1] * extra, np.int32), turn + 1, step)
@@ -251,9 +251,9 @@ def warm_later_turns(
     pad_id: int,
 ) -> None:
     """Compiles every program a later turn of these prompts' episodes can run, so that no
-    step after this one compiles: a later turn's resume passes go on from a first turn's
-    cache or from a later one's (two ``resume`` shapes, one ``decode``). Each call samples one
-    token per row, from dummy ids, and is thrown away."""
+    step after this one compiles: a first turn's cache laid out for the later turns
+    (``pack``), then their one ``resume`` and one ``decode``, from that cache and from a later
+    turn's. Each call samples one token per row, from dummy ids, and is thrown away."""
     n = np.asarray(prompt_ids).shape[0] * group
     ones = np.ones(n, np.int32)
     ids = np.full((n, APPEND), pad_id, np.int32)
@@ -273,11 +273,7 @@ def _resume(going: Sequence[tuple], rows: Sequence[_Row], extra: int, pad_id: in
     earlier = [len(row.ids) - len(chunk) for row, (_, _, chunk) in zip(rows, going, strict=True)]
     positions = [len(row.prompt) + n for row, n in zip(rows, earlier, strict=True)]
     chunks = [chunk for _, _, chunk in going]
-    width = -(-max(len(c) for c in chunks) // APPEND) * APPEND
-    ids = np.full((len(chunks), width), pad_id, np.int32)
-    mask = np.zeros((len(chunks), width), np.int32)
-    for i, c in enumerate(chunks):
-        ids[i, width - len(c) :], mask[i, width - len(c) :] = c, 1
+    ids, mask = _left_padded(chunks, pad_id, -(-max(map(len, chunks)) // APPEND) * APPEND)
     pad = lambda x: np.concatenate([np.asarray(x), np.asarray(x)[:1].repeat(extra, 0)])  # noqa: E731
     return Resume(
         rows=pad([i for i, _, _ in going]).astype(np.int32),

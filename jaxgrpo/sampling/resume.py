@@ -6,7 +6,10 @@ episode so far are never computed again.
 
 The appended ids go through in passes of ``APPEND``: a longer result takes several passes of
 the one program, each packing the row's slots again, so the cache keeps ``APPEND`` slots for
-them whatever a result's length, and every later turn's decode attends as few.
+them whatever a result's length, and every later turn's decode attends as few. A first turn's
+cache is laid out as the passes leave it once (``pack``), unless the turn had one sample per
+prompt: the sampler then lays it out so from the start (``generate.episode_slots``), and that
+turn runs the later turns' decode program.
 """
 
 from __future__ import annotations
